@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import operator
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -151,53 +152,72 @@ class RewardCommit:
     failed_reason: str | None = None
 
 
+_SCALAR_NAMES = (
+    "step_id", "run_id", "model_id", "agent", "workflow", "task_id", "episode_id", "branch",
+    "turn", "group_key", "group_size", "candidate", "finish_reason", *REWARD_COLUMNS,
+    "created_at", "meta",
+)
+_TOKEN_NAMES = ("prompt_ids", "response_ids", "behavior_logprobs", "token_versions")
+_TOKEN_DTYPES = (np.int32, np.int32, np.float32, np.int32)
+_DICT_COLUMNS = ("run_id", "model_id", "agent", "workflow", "finish_reason")
+_PLAIN_TYPES = {
+    "step_id": pa.string(), "task_id": pa.string(), "episode_id": pa.string(),
+    "branch": pa.string(), "turn": pa.int16(), "group_key": pa.binary(16),
+    "group_size": pa.int16(), "candidate": pa.int16(), "meta": pa.string(),
+    **{name: pa.float32() for name in REWARD_COLUMNS},
+}
+# attrgetter pulls every field of a record in one C call; zip(*) then transposes rows into
+# columns, so the per-row Python cost is two calls instead of one getattr per field.
+_get_scalars = operator.attrgetter(*_SCALAR_NAMES)
+_get_tokens = operator.attrgetter(*_TOKEN_NAMES)
+
+
+def _token_column(arrays: tuple, dtype) -> tuple[pa.Array, np.ndarray, np.ndarray]:
+    """One large_list column from per-row numpy arrays; returns (column, offsets, values)."""
+    n = len(arrays)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, arrays), dtype=np.int64, count=n), out=offsets[1:])
+    values = np.concatenate(arrays).astype(dtype, copy=False) if n else np.zeros(0, dtype)
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values)), offsets, values
+
+
+def _timestamps(seconds: np.ndarray, valid: np.ndarray | None = None) -> pa.Array:
+    micros = (seconds * 1e6).astype(np.int64)
+    mask = None if valid is None else ~valid
+    return pa.array(micros, type=pa.timestamp("us"), mask=mask)
+
+
 def records_to_table(records: list[StepRecord]) -> pa.Table:
-    """Build an Arrow table in STEP_SCHEMA from records: one concatenate per token column."""
+    """Build an Arrow table in STEP_SCHEMA from records: one concatenate per token column.
+
+    Per-row Python work is limited to pulling attributes; token arrays are concatenated once
+    per column and `behavior_version` is a segmented min over the concatenated versions.
+    """
     n = len(records)
-
-    def token_column(name: str, dtype) -> pa.Array:
-        arrays = [np.asarray(getattr(r, name), dtype=dtype) for r in records]
-        lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=n)
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        values = np.concatenate(arrays) if n else np.zeros(0, dtype=dtype)
-        return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
-
-    def col(name: str):
-        return [getattr(r, name) for r in records]
-
-    def ts(values: list[float | None]) -> pa.Array:
-        return pa.array(
-            [None if v is None else int(v * 1e6) for v in values], type=pa.timestamp("us")
-        )
-
-    behavior_version = [r.behavior_version for r in records]
-    status = [int(Status.READY if r.reward is not None else Status.PENDING) for r in records]
-    rewarded_at = [r.created_at if r.reward is not None else None for r in records]
-    arrays = {
-        "step_id": pa.array(col("step_id"), pa.string()),
-        "run_id": pa.array(col("run_id")).dictionary_encode(),
-        "model_id": pa.array(col("model_id")).dictionary_encode(),
-        "agent": pa.array(col("agent")).dictionary_encode(),
-        "workflow": pa.array(col("workflow")).dictionary_encode(),
-        "task_id": pa.array(col("task_id"), pa.string()),
-        "episode_id": pa.array(col("episode_id"), pa.string()),
-        "branch": pa.array(col("branch"), pa.string()),
-        "turn": pa.array(col("turn"), pa.int16()),
-        "group_key": pa.array(col("group_key"), pa.binary(16)),
-        "group_size": pa.array(col("group_size"), pa.int16()),
-        "candidate": pa.array(col("candidate"), pa.int16()),
-        "prompt_ids": token_column("prompt_ids", np.int32),
-        "response_ids": token_column("response_ids", np.int32),
-        "behavior_logprobs": token_column("behavior_logprobs", np.float32),
-        "token_versions": token_column("token_versions", np.int32),
-        "behavior_version": pa.array(behavior_version, pa.int32()),
-        "finish_reason": pa.array(col("finish_reason"), pa.string()).dictionary_encode(),
-        **{name: pa.array(col(name), pa.float32()) for name in REWARD_COLUMNS},
-        "status": pa.array(status, pa.int8()),
-        "created_at": ts(col("created_at")),
-        "rewarded_at": ts(rewarded_at),
-        "meta": pa.array(col("meta"), pa.string()),
+    scalars = dict(zip(_SCALAR_NAMES, zip(*map(_get_scalars, records)))) if n else {
+        name: () for name in _SCALAR_NAMES
     }
-    # dictionary_encode yields int32 indices over string values, matching STEP_SCHEMA.
+    tokens = list(zip(*map(_get_tokens, records))) if n else [()] * len(_TOKEN_NAMES)
+    arrays: dict[str, pa.Array] = {}
+    for name, per_row, dtype in zip(_TOKEN_NAMES, tokens, _TOKEN_DTYPES):
+        arrays[name], offsets, values = _token_column(per_row, dtype)
+    # token_versions was built last: its offsets/values give min version per row.
+    lengths = np.diff(offsets)
+    behavior_version = np.full(n, -1, dtype=np.int32)
+    nonempty = lengths > 0
+    if nonempty.any():
+        # reduceat over the starts of non-empty rows only: an empty row would otherwise
+        # yield the value at its start position instead of "no tokens".
+        behavior_version[nonempty] = np.minimum.reduceat(values, offsets[:-1][nonempty])
+    rewarded = np.fromiter((r is not None for r in scalars["reward"]), dtype=bool, count=n)
+    created_at = np.asarray(scalars["created_at"], dtype=np.float64).reshape(n)
+    for name, pa_type in _PLAIN_TYPES.items():
+        arrays[name] = pa.array(scalars[name], pa_type)
+    for name in _DICT_COLUMNS:
+        # dictionary_encode yields int32 indices over string values, matching STEP_SCHEMA.
+        arrays[name] = pa.array(scalars[name], pa.string()).dictionary_encode()
+    arrays["behavior_version"] = pa.array(behavior_version)
+    arrays["status"] = pa.array(np.where(rewarded, Status.READY, Status.PENDING).astype(np.int8))
+    arrays["created_at"] = _timestamps(created_at)
+    arrays["rewarded_at"] = _timestamps(created_at, rewarded)
     return pa.Table.from_arrays([arrays[f.name] for f in STEP_SCHEMA], schema=STEP_SCHEMA)

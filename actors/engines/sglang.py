@@ -1,0 +1,356 @@
+"""One SGLang server process per engine: launch, health, restart, weight updates (DESIGN §7).
+
+`SGLangEngine` is a plain class; `runtime` wraps it as a Ray actor. It owns the server
+subprocess (its own process group, so the scheduler and detokenizer children die with it),
+the log file, and the version of the weights the server holds. Rollout actors never talk to
+this class on the hot path: they call the server's HTTP API through `EngineClient`.
+
+Tiny CPU check (starts a server on the tiny model, prints its URL, stops it):
+    python -c "from runtime.models import provision_tiny; \
+from actors.engines.sglang import SGLangEngine, EngineConfig; \
+e = SGLangEngine('tiny', provision_tiny(), EngineConfig(max_total_tokens=4096)); \
+print(e.start()); e.stop()"
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+_DEVICES = ("cpu", "cuda")
+_DTYPES = ("float32", "bfloat16", "float16", "auto")
+_LOG_TAIL_CHARS = 4000
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one SGLang server is launched and supervised."""
+
+    device: str = "cpu"  # "cpu" (transformers model impl, torch attention) or "cuda"
+    dtype: str = "float32"  # serving dtype; float32 keeps logprobs within ~1e-5 of the learner
+    max_total_tokens: int = 8192  # KV-cache token slots; bounds server memory (~GBs if unset)
+    context_length: int | None = None  # prompt + response limit; None = the model's config
+    mem_fraction_static: float | None = None  # cuda only: GPU memory share for weights + KV
+    tp_size: int = 1  # cuda only: tensor-parallel GPUs per server
+    random_seed: int | None = None  # server sampling seed; None lets SGLang choose
+    startup_timeout_s: float = 240.0  # launch until /health answers 200 (CPU: 30-60 s)
+    weight_update_timeout_s: float = 600.0  # one /update_weights_from_disk call
+    extra_args: list[str] = field(default_factory=list)  # appended verbatim to launch_server
+    log_dir: str | None = None  # server logs; None = a fresh temp dir per engine
+    max_restarts: int = 3  # ensure_alive raises after this many restarts
+
+    def __post_init__(self) -> None:
+        if self.device not in _DEVICES:
+            raise ValueError(f"EngineConfig.device={self.device!r}; use one of {_DEVICES}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"EngineConfig.dtype={self.dtype!r}; use one of {_DTYPES}")
+        if self.max_total_tokens < 64:
+            raise ValueError(
+                f"EngineConfig.max_total_tokens={self.max_total_tokens} cannot hold a request; "
+                "use at least a few thousand"
+            )
+        if self.context_length is not None and self.context_length > self.max_total_tokens:
+            raise ValueError(
+                f"EngineConfig.context_length={self.context_length} exceeds max_total_tokens="
+                f"{self.max_total_tokens}; raise max_total_tokens or lower context_length"
+            )
+        if self.device == "cpu" and (self.mem_fraction_static is not None or self.tp_size != 1):
+            raise ValueError(
+                "EngineConfig.mem_fraction_static / tp_size apply to device='cuda' only; "
+                f"got mem_fraction_static={self.mem_fraction_static}, tp_size={self.tp_size} "
+                "with device='cpu': remove them"
+            )
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(
+                f"EngineConfig.mem_fraction_static={self.mem_fraction_static}; use (0, 1)"
+            )
+        if self.startup_timeout_s <= 0 or self.weight_update_timeout_s <= 0:
+            raise ValueError("EngineConfig startup_timeout_s and weight_update_timeout_s "
+                             "must be positive seconds")
+        if self.max_restarts < 0:
+            raise ValueError(f"EngineConfig.max_restarts={self.max_restarts}; use >= 0")
+
+
+def _free_port() -> int:
+    """A loopback port nobody listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _port_is_free(port: int) -> bool:
+    """Whether `port` can be bound on loopback (SO_REUSEADDR, as the server binds it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _kill_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM the server's process group, wait, then SIGKILL whatever is left.
+
+    A module-level function (not a method) so `weakref.finalize` can call it without
+    keeping the engine alive.
+    """
+    pgid = proc.pid  # start_new_session=True made the server its own group leader
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return  # the whole group is already gone
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        log.warning("server pid %d ignored SIGTERM for %.0f s; killing", pgid, grace_s)
+    # Children (scheduler, detokenizer) can outlive the parent; kill the group regardless.
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # every member exited on SIGTERM: nothing left to kill
+    proc.wait()
+
+
+class SGLangEngine:
+    """Supervises one `sglang.launch_server` subprocess serving one model.
+
+    Args:
+        model_id: physical model name (DESIGN §3 `model_id`), used in logs and file names.
+        model_path: HF folder with config, safetensors and tokenizer (see runtime.models).
+        cfg: launch and supervision settings.
+        log_dir: where the server log goes; overrides `cfg.log_dir`.
+
+    The tokenizer always comes from `model_path`; weights come from the last folder loaded
+    with `update_weights_from_disk`, so a restart resumes the same weights and version.
+    """
+
+    def __init__(self, model_id: str, model_path: str | Path, cfg: EngineConfig,
+                 log_dir: str | Path | None = None) -> None:
+        self.model_id = model_id
+        self.model_path = Path(model_path)
+        self.cfg = cfg
+        chosen = log_dir or cfg.log_dir
+        self.log_dir = Path(chosen) if chosen else Path(tempfile.mkdtemp(prefix="troupe-engine-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.log_dir / f"sglang-{model_id}.log"
+        self.weights_path = self.model_path  # folder of the weights the server holds
+        self.weight_version = 0
+        self.restarts = 0
+        self.startup_seconds: float | None = None  # duration of the last successful start
+        self._port: int | None = None
+        self._proc: subprocess.Popen | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._http = httpx.Client(timeout=httpx.Timeout(10.0))
+        # The runtime's actor runs methods on several threads (health checks beside weight
+        # updates); lifecycle changes take this lock so two callers never restart twice.
+        self._lifecycle = threading.RLock()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def url(self) -> str:
+        """Base URL of the running server, e.g. `http://127.0.0.1:31234`."""
+        if self._port is None:
+            raise RuntimeError(f"engine {self.model_id} has not been started; call start()")
+        return f"http://127.0.0.1:{self._port}"
+
+    @property
+    def pid(self) -> int | None:
+        """Pid of the server's main process (its process group id), None when stopped."""
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self) -> str:
+        """Launch the server and block until `/health` answers; returns the base URL."""
+        with self._lifecycle:
+            return self._start()
+
+    def _start(self) -> str:
+        if self._proc is not None and self._proc.poll() is None:
+            raise RuntimeError(f"engine {self.model_id} already running at {self.url}")
+        if self._port is None:
+            self._port = _free_port()
+        cmd = self._command()
+        env = dict(os.environ, HF_HUB_OFFLINE="1")  # models are local; never reach a hub
+        log.info("starting %s: %s (log %s)", self.model_id, " ".join(cmd), self.log_path)
+        with open(self.log_path, "ab") as log_file:
+            log_file.write(f"\n==== start {time.strftime('%F %T')} {' '.join(cmd)}\n".encode())
+            log_file.flush()
+            self._proc = subprocess.Popen(
+                cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        # Runs on stop(), garbage collection or interpreter exit, whichever comes first.
+        self._finalizer = weakref.finalize(self, _kill_process_group, self._proc)
+        started = time.perf_counter()
+        self._wait_healthy()
+        self.startup_seconds = time.perf_counter() - started
+        log.info("%s ready at %s in %.1f s", self.model_id, self.url, self.startup_seconds)
+        return self.url
+
+    def stop(self) -> None:
+        """Terminate the server and all its children; safe to call twice."""
+        with self._lifecycle:
+            if self._finalizer is not None:
+                self._finalizer()  # calls _kill_process_group once, then detaches
+                self._finalizer = None
+            self._proc = None
+
+    def close(self) -> None:
+        """Stop the server and release the HTTP client."""
+        self.stop()
+        self._http.close()
+
+    def is_alive(self) -> bool:
+        """Whether the process runs and `/health` answers 200 within a few seconds."""
+        if self._proc is None or self._proc.poll() is not None:
+            return False
+        try:
+            return self._http.get(f"{self.url}/health", timeout=5.0).status_code == 200
+        except httpx.TransportError as err:
+            log.warning("%s health probe failed: %r", self.model_id, err)
+            return False
+
+    def ensure_alive(self) -> str:
+        """Restart the server if it died or stopped answering; returns the (maybe new) URL.
+
+        The restart reuses the port when it is free again, so clients keep their URL, and
+        reloads the last weights with their version. Raises after `cfg.max_restarts`.
+        """
+        with self._lifecycle:
+            return self._ensure_alive()
+
+    def _ensure_alive(self) -> str:
+        if self.is_alive():
+            return self.url
+        if self.restarts >= self.cfg.max_restarts:
+            raise RuntimeError(
+                f"engine {self.model_id} is down and used all {self.cfg.max_restarts} restarts; "
+                f"log tail ({self.log_path}):\n{self.log_tail()}"
+            )
+        code = self._proc.poll() if self._proc is not None else None
+        log.warning("engine %s down (exit code %s); restart %d/%d", self.model_id, code,
+                    self.restarts + 1, self.cfg.max_restarts)
+        self.stop()
+        self.restarts += 1
+        if not self._wait_port_free(self._port, timeout_s=15.0):
+            old = self._port
+            self._port = _free_port()
+            log.warning("port %s still taken; %s moves to port %d", old, self.model_id,
+                        self._port)
+        return self._start()
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights_from_disk(self, path: str | Path, version: int) -> dict:
+        """Load HF safetensors from `path` into the running server and stamp `version`.
+
+        Args:
+            path: complete HF model folder (config.json + safetensors) readable by the server.
+            version: learner version; responses report it as `weight_version`.
+
+        Returns:
+            The server's answer: `success`, `message`, `num_paused_requests`.
+        """
+        response = self._http.post(
+            f"{self.url}/update_weights_from_disk",
+            json={"model_path": str(path), "weight_version": str(version)},
+            timeout=self.cfg.weight_update_timeout_s,
+        )
+        body = response.json() if response.headers.get("content-type", "").startswith(
+            "application/json") else {"message": response.text}
+        if response.status_code != 200 or not body.get("success", False):
+            raise RuntimeError(
+                f"engine {self.model_id} refused weights {path} (version {version}): "
+                f"HTTP {response.status_code}: {body.get('message', body)}"
+            )
+        self.weights_path, self.weight_version = Path(path), version
+        return body
+
+    # ------------------------------------------------------------------ internals
+
+    def _command(self) -> list[str]:
+        """The launch_server command line for the current weights, version and port."""
+        cfg = self.cfg
+        cmd = [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", str(self.weights_path),
+            "--tokenizer-path", str(self.model_path),
+            "--host", "127.0.0.1", "--port", str(self._port),
+            "--dtype", cfg.dtype,
+            "--max-total-tokens", str(cfg.max_total_tokens),
+            "--weight-version", str(self.weight_version),
+            "--served-model-name", self.model_id,
+        ]
+        if cfg.device == "cpu":
+            # The only combination that serves on CPU with PyPI wheels: the native model
+            # path needs vllm, the default attention and sampling backends need CUDA kernels.
+            cmd += ["--device", "cpu", "--model-impl", "transformers",
+                    "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+                    "--disable-cuda-graph", "--skip-server-warmup"]
+        else:
+            cmd += ["--device", "cuda", "--tp-size", str(cfg.tp_size)]
+            if cfg.mem_fraction_static is not None:
+                cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
+        if cfg.context_length is not None:
+            cmd += ["--context-length", str(cfg.context_length)]
+        if cfg.random_seed is not None:
+            cmd += ["--random-seed", str(cfg.random_seed)]
+        return cmd + list(cfg.extra_args)
+
+    def _wait_healthy(self) -> None:
+        """Poll `/health` until 200; on exit or timeout, kill and raise with the log tail."""
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while time.monotonic() < deadline:
+            code = self._proc.poll()
+            if code is not None:
+                self.stop()
+                raise RuntimeError(
+                    f"engine {self.model_id} exited with code {code} during startup; "
+                    f"log tail ({self.log_path}):\n{self.log_tail()}"
+                )
+            try:
+                if self._http.get(f"{self.url}/health", timeout=5.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass  # not listening yet: the normal state for the first seconds
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(
+            f"engine {self.model_id} not healthy after {self.cfg.startup_timeout_s:.0f} s "
+            f"(raise EngineConfig.startup_timeout_s if the machine is busy); "
+            f"log tail ({self.log_path}):\n{self.log_tail()}"
+        )
+
+    @staticmethod
+    def _wait_port_free(port: int | None, timeout_s: float) -> bool:
+        """Wait until `port` can be bound again after the old server released it."""
+        if port is None:
+            return False
+        deadline = time.monotonic() + timeout_s
+        while not _port_is_free(port):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
+        return True
+
+    def log_tail(self, chars: int = _LOG_TAIL_CHARS) -> str:
+        """Last `chars` characters of the server log (for error messages)."""
+        if not self.log_path.exists():
+            return "<no log written>"
+        with open(self.log_path, "rb") as file:
+            file.seek(max(0, self.log_path.stat().st_size - chars))
+            return file.read().decode(errors="replace")

@@ -1,0 +1,211 @@
+"""One joint rollout: routes each agent action to its model's engine and records step rows.
+
+`Episode.act(agent, messages, n=K)` is the only way a workflow generates text. Each of the K
+candidates becomes one row (DESIGN §3) whose group key is built from named fields (§4):
+tree sampling (n=K) groups the K candidates of one prompt; joint sampling (n=1 inside a round
+of G episodes) groups the G actions of an agent at a turn across the round.
+Rewards are attached later: rule rewards inline through `reward`, coach scores through
+`coach` (the rollout actor ships them to the coach pool after the rows are buffered).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Protocol
+
+import numpy as np
+
+from buffers.schema import StepRecord, group_key, new_id
+
+
+class Generator(Protocol):
+    """What an episode needs from an engine client (actors.engines.client.EngineClient)."""
+
+    async def generate(self, prompt_ids, n: int, max_new_tokens: int, temperature: float = 1.0,
+                       top_p: float = 1.0, stop_token_ids=None) -> list: ...
+
+
+@dataclass(frozen=True)
+class Action:
+    """One generated candidate as the workflow sees it."""
+
+    step_id: str
+    agent: str
+    turn: int
+    candidate: int
+    text: str
+    response_ids: np.ndarray
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class CoachRequest:
+    """Everything a coach needs to score one action (MAPPA §2.2: role, input, output, tools)."""
+
+    step_id: str
+    model_id: str
+    agent: str
+    workflow: str
+    task_id: str
+    input_text: str
+    output_text: str
+    finish_reason: str
+    truth: str | None = None
+    context: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Draft:
+    """A row under construction; becomes a StepRecord when the episode finishes."""
+
+    fields: dict[str, Any]
+    rewards: dict[str, float | None] = field(default_factory=dict)
+
+
+class ModelRoute:
+    """An agent's route to its model: engine clients (round-robin) and the tokenizer."""
+
+    def __init__(self, model_id: str, clients: list[Generator], tokenizer) -> None:
+        if not clients:
+            raise ValueError(f"model {model_id!r} has no engine client")
+        self.model_id = model_id
+        self.tokenizer = tokenizer
+        self._clients = itertools.cycle(clients)
+
+    def next_client(self) -> Generator:
+        return next(self._clients)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        # Render then encode once: the exact ids sent to the engine are the ones stored.
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  tokenize=False)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: np.ndarray) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+class Episode:
+    """Records the actions of one episode; see the module docstring."""
+
+    def __init__(self, *, run_id: str, workflow: str, task_id: str, round_id: str,
+                 round_size: int, round_index: int, group_size: int,
+                 agent_models: dict[str, str],
+                 routes: dict[str, ModelRoute], sampling: SamplingParams,
+                 truth: str | None = None) -> None:
+        self.run_id = run_id
+        self.workflow = workflow
+        self.task_id = task_id
+        self.round_id = round_id
+        self.round_size = round_size
+        self.round_index = round_index
+        self.group_size = group_size  # K, for workflows that tree-sample
+        self.episode_id = new_id()
+        self.agent_models = agent_models
+        self.routes = routes
+        self.sampling = sampling
+        self.truth = truth
+        self.sync_scorer = sync_scorer
+        self._drafts: dict[str, _Draft] = {}
+        self._coach: list[CoachRequest] = []
+        self.generated_tokens = 0
+
+    async def act(self, agent: str, messages: list[dict[str, str]], *, turn: int, n: int = 1,
+                  max_new_tokens: int, parent_branch: str = "",
+                  meta: dict[str, Any] | None = None) -> list[Action]:
+        """Generate n candidates for `agent` and record one row per candidate.
+
+        Returns the candidates in order; `Action.candidate` is the row's index in its group.
+        """
+        if agent not in self.agent_models:
+            raise KeyError(f"agent {agent!r} has no model; known agents: {sorted(self.agent_models)}")
+        model_id = self.agent_models[agent]
+        route = self.routes[model_id]
+        prompt_ids = route.encode_chat(messages)
+        generations = await route.next_client().generate(
+            prompt_ids, n=n, max_new_tokens=max_new_tokens,
+            temperature=self.sampling.temperature, top_p=self.sampling.top_p)
+        if len(generations) != n:
+            raise RuntimeError(f"engine of {model_id} returned {len(generations)} candidates, "
+                               f"asked for {n}")
+        # Tree sampling groups the n candidates; joint sampling groups the round's G episodes.
+        tree = n > 1
+        size = n if tree else self.round_size
+        key = group_key(self.task_id, self.round_id, parent_branch, agent, turn)
+        prompt = np.asarray(prompt_ids, dtype=np.int32)
+        actions = []
+        for i, gen in enumerate(generations):
+            step_id = new_id()
+            candidate = i if tree else self.round_index
+            text = route.decode(gen.response_ids)
+            self.generated_tokens += len(gen.response_ids)
+            row_meta = {"response_len": int(len(gen.response_ids)), "text": text[:200]}
+            row_meta.update(meta or {})
+            self._drafts[step_id] = _Draft(fields=dict(
+                step_id=step_id, run_id=self.run_id, model_id=model_id, agent=agent,
+                workflow=self.workflow, task_id=self.task_id, episode_id=self.episode_id,
+                branch=parent_branch, turn=turn, group_key=key, group_size=size,
+                candidate=candidate, prompt_ids=prompt,
+                response_ids=np.asarray(gen.response_ids, dtype=np.int32),
+                behavior_logprobs=np.asarray(gen.logprobs, dtype=np.float32),
+                token_versions=np.asarray(gen.versions, dtype=np.int32),
+                finish_reason=gen.finish_reason, created_at=time.time(), meta=row_meta))
+            actions.append(Action(step_id, agent, turn, candidate, text,
+                                  np.asarray(gen.response_ids, dtype=np.int32),
+                                  gen.finish_reason))
+        return actions
+
+    def reward(self, step_id: str, *, reward: float | None = None,
+               reward_local: float | None = None, reward_team: float | None = None,
+               outcome: float | None = None) -> None:
+        """Attach rule reward components now (DESIGN §2: rule rewards inline)."""
+        values = dict(reward=reward, reward_local=reward_local, reward_team=reward_team,
+                      outcome=outcome)
+        self._drafts[step_id].rewards.update({k: v for k, v in values.items() if v is not None})
+
+    async def coach(self, actions: list[Action], *, input_text: str,
+                    context: dict[str, Any] | None = None) -> None:
+        """Ask the coach to score these actions (the training reward of each).
+
+        Asynchronous mode (default): the requests leave with the rows and the scores arrive
+        in the buffer later by step_id; the episode does not wait. Synchronous baseline
+        (`sync_scorer` set, DESIGN §12): the scores are awaited here, inside the trajectory,
+        as MAPPA's loop does.
+        """
+        requests = [CoachRequest(
+            step_id=a.step_id, model_id=self.agent_models[a.agent], agent=a.agent,
+            workflow=self.workflow, task_id=self.task_id, input_text=input_text,
+            output_text=a.text, finish_reason=a.finish_reason, truth=self.truth,
+            context=context or {}) for a in actions]
+        if self.sync_scorer is None:
+            self._coach.extend(requests)
+            return
+        scores = await self.sync_scorer(requests)
+        for step_id, score in scores.items():
+            self._drafts[step_id].rewards.update(coach_score=score, reward=score)
+
+    @property
+    def coach_requests(self) -> list[CoachRequest]:
+        return list(self._coach)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._drafts)
+
+    def records(self) -> dict[str, list[StepRecord]]:
+        """The episode's rows, grouped by model id (each model has its own buffer)."""
+        by_model: dict[str, list[StepRecord]] = {}
+        for draft in self._drafts.values():
+            f = dict(draft.fields)
+            f["meta"] = json.dumps(f["meta"])
+            rec = StepRecord(**f, **draft.rewards)
+            by_model.setdefault(rec.model_id, []).append(rec)
+        return by_model

@@ -1,0 +1,200 @@
+"""Long-lived rollout actor: C concurrent rounds on asyncio, forever, until stopped.
+
+Each slot loops: make a task, ask the version clock for admission (DESIGN §5), play a round
+(G joint episodes or one tree-sampled episode), push its rows to the buffers of the models
+that produced them, then hand the coach requests to the coach pool (fire-and-forget; in the
+synchronous baseline they are awaited inline first). Rollout actors are stateless: a crash
+loses only in-flight rounds, and those rows are counted with a reason, never silently.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Protocol
+
+from actors.episode import CoachRequest, Episode, ModelRoute, SamplingParams
+from actors.workflows import WorkflowConfig, build_workflow
+from buffers.schema import StepRecord, new_id
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RolloutConfig:
+    actors: int = 1  # rollout actors (R), scaled independently of learners
+    concurrency: int = 4  # concurrent rounds per actor (C)
+    temperature: float = 1.0  # sampling temperature (the learner applies the same to logits)
+    top_p: float = 1.0  # nucleus sampling mass; 1.0 keeps behaviour logprobs exact
+    sync_coach: bool = False  # await the coach inside the episode (synchronous baseline)
+    admission_poll_s: float = 0.02  # wait between refused admissions
+    max_consecutive_failures: int = 20  # failed rounds in a row before the actor gives up
+    seed: int = 0  # task stream seed (each actor offsets it by its index)
+
+    def __post_init__(self) -> None:
+        if self.actors < 1 or self.concurrency < 1:
+            raise ValueError(f"rollout.actors={self.actors} and rollout.concurrency="
+                             f"{self.concurrency} must both be >= 1")
+        if self.temperature <= 0:
+            raise ValueError(f"rollout.temperature={self.temperature}: must be > 0 (sampling only)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p={self.top_p}: must be in (0, 1]")
+
+
+class RolloutPorts(Protocol):
+    """How a rollout actor reaches the rest of the system (runtime provides it)."""
+
+    async def admit(self, units: dict[str, int]) -> bool: ...
+    async def release(self, units: dict[str, int]) -> None: ...
+    async def add_rows(self, model_id: str, records: list[StepRecord]) -> bool: ...
+    async def seal_episode(self, model_id: str, episode_id: str, num_rows: int) -> None: ...
+    async def submit_coach(self, requests: list[CoachRequest]) -> None: ...
+    async def score_now(self, requests: list[CoachRequest]) -> dict[str, float]: ...
+    def report(self, scalars: dict[str, float]) -> None: ...
+
+
+class RolloutActor:
+    """Plays rounds of one workflow; see the module docstring."""
+
+    def __init__(self, cfg: RolloutConfig, workflow_cfg: WorkflowConfig, run_id: str,
+                 actor_index: int, routes: dict[str, ModelRoute], ports: RolloutPorts,
+                 readiness: dict[str, str]) -> None:
+        self.cfg = cfg
+        self.workflow_cfg = workflow_cfg
+        self.workflow = build_workflow(workflow_cfg)
+        self.run_id = run_id
+        self.actor_index = actor_index
+        self.routes = routes
+        self.ports = ports
+        self.readiness = readiness  # model_id -> "group" | "episode"
+        self.agent_models = dict(workflow_cfg.agents)
+        self.sampling = SamplingParams(cfg.temperature, cfg.top_p)
+        self._rng = random.Random(cfg.seed * 1009 + actor_index)
+        self._task_index = itertools.count()
+        self._stopping = False
+        self._workers: list[asyncio.Task] = []
+        self._consecutive_failures = 0
+        self.rounds = 0
+        self.episodes = 0
+        self.rows_generated = 0
+        self.rows_added = 0
+        self.rows_lost: Counter[str] = Counter()
+        self.admission_waits = 0
+        self.backpressure_waits = 0
+        self.started_at = time.time()
+
+    async def run(self) -> dict:
+        """Run C slots until `stop`; re-raises the failure that made a slot give up."""
+        self.started_at = time.time()
+        self._workers = [asyncio.create_task(self._slot()) for _ in range(self.cfg.concurrency)]
+        done, _ = await asyncio.wait(self._workers, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if not task.cancelled() and task.exception() is not None:
+                await self.stop()
+                raise task.exception()
+        return self.stats()
+
+    async def stop(self) -> dict:
+        """Stop taking tasks and cancel in-flight rounds (their rows are counted as lost)."""
+        self._stopping = True
+        for task in self._workers:
+            task.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        return self.stats()
+
+    async def _slot(self) -> None:
+        units = self.workflow.units_per_round(self.agent_models, self.workflow_cfg.group_size)
+        while not self._stopping:
+            index = next(self._task_index)
+            task = self.workflow.make_task(self._rng, index)
+            task = type(task)(f"{task.task_id}-a{self.actor_index}", task.prompt, task.truth,
+                              task.extra)
+            while not await self.ports.admit(units):
+                self.admission_waits += 1
+                await asyncio.sleep(self.cfg.admission_poll_s)
+            await self._play_round(task, units)
+
+    def _episodes_for(self, task) -> list[Episode]:
+        g = self.workflow_cfg.group_size
+        joint = self.workflow.sampling == "joint"
+        round_id = new_id()
+        count = g if joint else 1
+        return [Episode(run_id=self.run_id, workflow=self.workflow.name, task_id=task.task_id,
+                        round_id=round_id, round_size=count, round_index=i, group_size=g,
+                        agent_models=self.agent_models, routes=self.routes,
+                        sampling=self.sampling, truth=task.truth,
+                        sync_scorer=self.ports.score_now if self.cfg.sync_coach else None)
+                for i in range(count)]
+
+    async def _play_round(self, task, units: dict[str, int]) -> None:
+        episodes = self._episodes_for(task)
+        try:
+            results = await asyncio.gather(*(self.workflow.run(task, ep) for ep in episodes))
+        except asyncio.CancelledError:
+            self._count_lost(episodes, "run_stopped")
+            await self.ports.release(units)
+            raise
+        except Exception as exc:  # counted: the round's rows are lost with a reason
+            self._count_lost(episodes, "episode_error")
+            await self.ports.release(units)
+            self._consecutive_failures += 1
+            log.warning("round of %s failed (%d in a row): %r", task.task_id,
+                        self._consecutive_failures, exc)
+            if self._consecutive_failures >= self.cfg.max_consecutive_failures:
+                raise RuntimeError(f"rollout actor {self.actor_index}: "
+                                   f"{self._consecutive_failures} rounds failed in a row") from exc
+            return
+        self._consecutive_failures = 0
+        await self._ship(episodes)
+        self.rounds += 1
+        self.episodes += len(episodes)
+        self._report(results)
+
+    def _count_lost(self, episodes: list[Episode], reason: str) -> None:
+        lost = sum(ep.num_rows for ep in episodes)
+        self.rows_generated += lost
+        self.rows_lost[reason] += lost
+
+    async def _ship(self, episodes: list[Episode]) -> None:
+        """Buffer every row (waiting on backpressure), seal episodes, then ask the coach."""
+        batches = [(ep, model_id, records) for ep in episodes
+                   for model_id, records in ep.records().items()]
+        total = sum(len(records) for _, _, records in batches)
+        self.rows_generated += total
+        shipped = 0
+        try:
+            for ep, model_id, records in batches:
+                while not await self.ports.add_rows(model_id, records):
+                    self.backpressure_waits += 1
+                    await asyncio.sleep(0.05)
+                shipped += len(records)
+                self.rows_added += len(records)
+                if self.readiness[model_id] == "episode":
+                    await self.ports.seal_episode(model_id, ep.episode_id, len(records))
+        except asyncio.CancelledError:
+            self.rows_lost["run_stopped"] += total - shipped
+            raise
+        requests = [r for ep in episodes for r in ep.coach_requests]
+        if requests:
+            await self.ports.submit_coach(requests)
+
+    def _report(self, results: list[dict[str, float]]) -> None:
+        scalars: dict[str, float] = {}
+        for key in results[0]:
+            scalars[f"episode/{self.workflow.name}/{key}"] = (
+                sum(r[key] for r in results) / len(results))
+        self.ports.report(scalars)
+
+    def stats(self) -> dict:
+        elapsed = max(time.time() - self.started_at, 1e-9)
+        return {
+            "actor": self.actor_index, "rounds": self.rounds, "episodes": self.episodes,
+            "episodes_per_s": self.episodes / elapsed, "rows_generated": self.rows_generated,
+            "rows_added": self.rows_added, "rows_lost": dict(self.rows_lost),
+            "admission_waits": self.admission_waits,
+            "backpressure_waits": self.backpressure_waits,
+        }

@@ -1,0 +1,143 @@
+"""The learner's structured config (DESIGN §6): one dataclass, validated on construction.
+
+`LearnerConfig` is an OmegaConf structured-config schema: plain field types with defaults, so
+`OmegaConf.structured(LearnerConfig)` merges with YAML and CLI overrides and
+`OmegaConf.to_object` yields a validated instance (`__post_init__` runs there).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Which unit of rows must be fully rewarded before an estimator can use any of them (DESIGN §4):
+# group-relative estimators need every candidate of a group, return-to-go estimators need every
+# action of an episode. The keys are the valid values of `LearnerConfig.advantage`; the registry
+# in learners/advantages.py holds exactly these names (a unit test checks it).
+READINESS_UNITS: dict[str, str] = {
+    "grpo": "group",
+    "at_grpo": "group",
+    "reinforce_pp": "episode",
+}
+
+BEHAVIOR_CORRECTIONS = ("tis", "mask")
+DTYPES = ("float32", "bfloat16")
+
+
+def readiness_unit(advantage: str) -> str:
+    """Return "group" or "episode": the unit the buffer must complete for this estimator.
+
+    Args:
+        advantage: an advantage estimator name (a key of `READINESS_UNITS`).
+
+    Raises:
+        ValueError: for an unknown estimator name.
+    """
+    if advantage not in READINESS_UNITS:
+        raise ValueError(
+            f"advantage={advantage!r} is not a known estimator; "
+            f"use one of {sorted(READINESS_UNITS)}"
+        )
+    return READINESS_UNITS[advantage]
+
+
+@dataclass
+class LearnerConfig:
+    """Everything one model's learner needs: estimator, loss, optimizer, batching, runtime."""
+
+    backend: str = "torch"  # learner backend, a key of learners.protocol.LEARNERS
+    advantage: str = "grpo"  # estimator: "grpo" | "at_grpo" | "reinforce_pp"
+    std_normalize: bool = True  # divide group advantages by the group std (False = Dr.GRPO)
+    team_alpha: float = 1.0  # AT-GRPO eq. 4 weight α of the team reward: r = α·r_team + r_local
+    reward_kl_beta: float = 0.0  # MAPPA eq. 1 β: KL penalty folded into reinforce_pp rewards
+    kl_beta: float = 0.0  # weight of the k3 KL(π_θ‖π_ref) term in the loss; > 0 loads a reference
+    lr: float = 1e-5  # AdamW learning rate
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
+    ppo_epochs: int = 1  # optimizer steps over the same batch per train_step
+    micro_batch_tokens: int = 4096  # padded tokens (rows × padded length) per micro-batch
+    clip_eps_low: float = 0.2  # PPO ratio clip below: u ≥ 1 − ε_lo
+    clip_eps_high: float = 0.28  # PPO ratio clip above: u ≤ 1 + ε_hi (clip-higher)
+    behavior_correction: str = "tis"  # "tis": w′ = min(w, c); "mask": w′ = w·1[1/c ≤ w ≤ c]
+    behavior_cap: float = 2.0  # c, the cap on the behaviour importance weight w
+    temperature: float = 1.0  # rollout sampling temperature; logits are divided by it
+    dtype: str = "float32"  # parameter dtype: "float32" | "bfloat16"
+    num_threads: int = 1  # torch intra-op threads of the learner process
+    seed: int = 0  # torch RNG seed set when the learner is built
+    batch_units: int = 8  # readiness units (groups or episodes) per learner step
+    max_staleness: int = 1  # η: rows with v_m − behavior_version > η are dropped (DESIGN §5)
+
+    def __post_init__(self) -> None:
+        # Imported here, not at module top: protocol.py imports this module for its annotations.
+        from learners.protocol import LEARNERS
+
+        _check(self.backend in LEARNERS, "backend", self.backend, f"use one of {sorted(LEARNERS)}")
+        _check(
+            self.advantage in READINESS_UNITS,
+            "advantage",
+            self.advantage,
+            f"use one of {sorted(READINESS_UNITS)}",
+        )
+        for name in ("team_alpha", "reward_kl_beta", "kl_beta", "weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            _check(math.isfinite(value) and value >= 0, name, value, "use a finite value ≥ 0")
+        _check(
+            self.reward_kl_beta == 0 or self.advantage == "reinforce_pp",
+            "reward_kl_beta",
+            self.reward_kl_beta,
+            "it only applies to advantage='reinforce_pp'; set it to 0 or use kl_beta (in the loss)",
+        )
+        _check(math.isfinite(self.lr) and self.lr > 0, "lr", self.lr, "use a finite value > 0")
+        _check(self.ppo_epochs >= 1, "ppo_epochs", self.ppo_epochs, "use an integer ≥ 1")
+        _check(
+            self.micro_batch_tokens >= 1,
+            "micro_batch_tokens",
+            self.micro_batch_tokens,
+            "use an integer ≥ 1",
+        )
+        _check(
+            0 <= self.clip_eps_low < 1, "clip_eps_low", self.clip_eps_low, "use 0 ≤ value < 1"
+        )
+        _check(
+            math.isfinite(self.clip_eps_high) and self.clip_eps_high >= 0,
+            "clip_eps_high",
+            self.clip_eps_high,
+            "use a finite value ≥ 0",
+        )
+        _check(
+            self.behavior_correction in BEHAVIOR_CORRECTIONS,
+            "behavior_correction",
+            self.behavior_correction,
+            f"use one of {list(BEHAVIOR_CORRECTIONS)}",
+        )
+        # c < 1 would make the mask window [1/c, c] empty and cap every on-policy weight of 1.
+        _check(
+            math.isfinite(self.behavior_cap) and self.behavior_cap >= 1,
+            "behavior_cap",
+            self.behavior_cap,
+            "use a finite value ≥ 1",
+        )
+        _check(
+            math.isfinite(self.temperature) and self.temperature > 0,
+            "temperature",
+            self.temperature,
+            "use the rollout sampling temperature, a finite value > 0",
+        )
+        _check(self.dtype in DTYPES, "dtype", self.dtype, f"use one of {list(DTYPES)}")
+        _check(self.num_threads >= 1, "num_threads", self.num_threads, "use an integer ≥ 1")
+        _check(self.batch_units >= 1, "batch_units", self.batch_units, "use an integer ≥ 1")
+        _check(
+            self.max_staleness >= 0,
+            "max_staleness",
+            self.max_staleness,
+            "use an integer ≥ 0 (0 = synchronous on-policy)",
+        )
+
+    @property
+    def readiness_unit(self) -> str:
+        """"group" or "episode" for this config's estimator (see `readiness_unit`)."""
+        return readiness_unit(self.advantage)
+
+
+def _check(ok: bool, field: str, value: object, fix: str) -> None:
+    if not ok:
+        raise ValueError(f"LearnerConfig.{field}={value!r} is invalid: {fix}")

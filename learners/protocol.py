@@ -1,0 +1,92 @@
+"""The learner protocol every backend implements, and the registry that builds one (DESIGN §6).
+
+Callers (the runtime) see only `Learner`, `WeightRef` and `build_learner`. Backends are named
+by import path and imported on first use, so this module stays free of torch and of any
+backend's heavy imports, and a new backend (megatron) is one registry line.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from learners.batch import TrainBatch
+    from learners.config import LearnerConfig
+
+
+@dataclass(frozen=True)
+class WeightRef:
+    """A published policy: what engines load and stamp onto the rows they generate.
+
+    Attributes:
+        model_id: the physical model these weights belong to.
+        version: the learner version v_m they were published at (DESIGN §5).
+        path: a folder holding a HF checkpoint (config, safetensors, tokenizer files).
+    """
+
+    model_id: str
+    version: int
+    path: str
+
+
+class Learner(Protocol):
+    """One model's trainer. Plain class: the runtime wraps it with `ray.remote` at spawn time."""
+
+    @property
+    def version(self) -> int:
+        """Number of train steps applied so far (v_m)."""
+        ...
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Per-token logprobs of `batch.target_ids` under the current policy, no gradient.
+
+        Returns:
+            float32 [B, L], aligned with `batch.loss_mask` (0 where the mask is 0).
+        """
+        ...
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """Apply one decoupled-PPO update on `batch`; returns scalar metrics as floats."""
+        ...
+
+    def publish_weights(self, version: int) -> WeightRef:
+        """Write the current weights as a loadable HF folder for `version`."""
+        ...
+
+    def save(self, path: str) -> None:
+        """Checkpoint everything needed to resume training bit-for-bit into folder `path`."""
+        ...
+
+    def load(self, path: str) -> None:
+        """Restore a checkpoint written by `save`."""
+        ...
+
+
+# name -> "module:Class"; imported lazily by build_learner.
+LEARNERS: dict[str, str] = {
+    "torch": "learners.torch_backend:TorchLearner",
+}
+
+
+def build_learner(
+    cfg: LearnerConfig, model_id: str, model_path: str, weights_dir: str
+) -> Learner:
+    """Build the backend named by `cfg.backend`.
+
+    Args:
+        cfg: the learner config (already validated).
+        model_id: the physical model this learner trains.
+        model_path: a HF folder with the initial weights and tokenizer.
+        weights_dir: where published versions go, as `{weights_dir}/v{version}`.
+    """
+    if cfg.backend not in LEARNERS:
+        raise ValueError(
+            f"LearnerConfig.backend={cfg.backend!r} is not registered; "
+            f"use one of {sorted(LEARNERS)}"
+        )
+    module_name, class_name = LEARNERS[cfg.backend].split(":")
+    backend_class = getattr(importlib.import_module(module_name), class_name)
+    return backend_class(cfg, model_id, model_path, weights_dir)

@@ -1,0 +1,125 @@
+"""The run's structured config: component dataclasses merged with YAML and CLI overrides.
+
+Each component owns its schema (`EngineConfig`, `LearnerConfig`, `BufferConfig`,
+`RolloutConfig`, `CoachConfig`, `WorkflowConfig`); this module composes them, checks what
+spans components, and turns OmegaConf's errors into ones that name the field and the fix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from actors.coach import CoachConfig
+from actors.engines.sglang import EngineConfig
+from actors.rollout import RolloutConfig
+from actors.workflows import WORKFLOWS, WorkflowConfig, build_workflow
+from buffers.replay import BufferConfig
+from learners.config import LearnerConfig
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the field, the value and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "tiny"  # a provisioned model name ("tiny", "smollm2-135m") or a HF folder
+    engines: int = 1  # SGLang engine instances serving this model
+    engine: EngineConfig = field(default_factory=EngineConfig)  # engine flags and limits
+    learner: LearnerConfig = field(default_factory=LearnerConfig)  # estimator, loss, optimizer
+    buffer: BufferConfig = field(default_factory=BufferConfig)  # replay buffer capacity, readiness
+
+    def __post_init__(self) -> None:
+        if self.engines < 1:
+            raise ConfigError(f"engines={self.engines}: every model needs at least 1 engine")
+
+
+@dataclass
+class RunConfig:
+    name: str = "troupe"  # run id prefix; the run directory is <runs_dir>/<name>-<time>
+    run_id: str = ""  # explicit run id; empty generates one
+    runs_dir: str = "runs"  # where run directories are created
+    max_steps: int = 20  # learner steps per model; the run ends when every model reached it
+    max_wall_s: float = 0.0  # stop after this many seconds as well (0: no limit)
+    ray_address: str = ""  # "" joins the cluster of a submitted job, else starts a local Ray
+    num_cpus: int = 2  # CPUs of a locally started Ray instance
+    learner_cpus: float = 0.5  # Ray CPUs reserved per learner actor
+    rollout_cpus: float = 0.25  # Ray CPUs reserved per rollout actor
+    keep_weights: int = 3  # published weight versions kept on disk per model
+    max_actor_restarts: int = 3  # restarts of a failed rollout actor before the run stops
+    seed: int = 0  # seeds tasks and learners
+
+    def __post_init__(self) -> None:
+        if self.max_steps < 1:
+            raise ConfigError(f"run.max_steps={self.max_steps}: must be >= 1")
+        if self.keep_weights < 1:
+            raise ConfigError(f"run.keep_weights={self.keep_weights}: must be >= 1 "
+                              "(engines load the newest version from disk)")
+
+
+@dataclass
+class TroupeConfig:
+    run: RunConfig = field(default_factory=RunConfig)  # run directory, stop condition, Ray
+    workflow: WorkflowConfig = field(default_factory=WorkflowConfig)  # what episodes play
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # rollout actors, sampling
+    coach: CoachConfig = field(default_factory=CoachConfig)  # the per-action scorer
+    models: dict[str, ModelConfig] = field(default_factory=dict)  # model id -> its parts
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ConfigError("models is empty: declare at least one model, e.g. "
+                              "models: {policy: {path: tiny}}")
+        if self.workflow.name not in WORKFLOWS:
+            raise ConfigError(f"workflow.name={self.workflow.name!r}: choose one of "
+                              f"{sorted(WORKFLOWS)}")
+        roles = set(build_workflow(self.workflow).agents)
+        mapped = set(self.workflow.agents)
+        if mapped != roles:
+            raise ConfigError(f"workflow.agents maps {sorted(mapped)} but {self.workflow.name} "
+                              f"plays {sorted(roles)}: map every role to a model id")
+        for agent, model_id in self.workflow.agents.items():
+            if model_id not in self.models:
+                raise ConfigError(f"workflow.agents.{agent}={model_id!r} is not a key of models "
+                                  f"({sorted(self.models)})")
+        unused = set(self.models) - set(self.workflow.agents.values())
+        if unused:
+            raise ConfigError(f"models {sorted(unused)} are not used by any agent: remove them "
+                              "or map an agent to them in workflow.agents")
+        for model_id, model in self.models.items():
+            want = model.learner.readiness_unit
+            if model.buffer.readiness != want:
+                raise ConfigError(
+                    f"models.{model_id}.buffer.readiness={model.buffer.readiness!r} but "
+                    f"advantage {model.learner.advantage!r} needs {want!r}: set "
+                    f"models.{model_id}.buffer.readiness={want}")
+            if model.learner.temperature != self.rollout.temperature:
+                raise ConfigError(
+                    f"models.{model_id}.learner.temperature={model.learner.temperature} differs "
+                    f"from rollout.temperature={self.rollout.temperature}: logprobs must be "
+                    "computed at the sampling temperature; set them equal")
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TroupeConfig:
+    """YAML file (optional) + `key=value` overrides → validated `TroupeConfig`."""
+    try:
+        merged = OmegaConf.structured(TroupeConfig)
+        if path is not None:
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        where = f" in {path}" if path else ""
+        raise ConfigError(f"config error{where}: {exc}") from None
+    except ValueError as exc:  # a component's __post_init__ names the field and the fix
+        where = f" in {path}" if path else ""
+        raise ConfigError(f"config error{where}: {exc}") from None
+    assert isinstance(cfg, TroupeConfig)
+    return cfg
+
+
+def to_yaml(cfg: TroupeConfig) -> str:
+    """The resolved config as YAML (written into the run directory and TensorBoard)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

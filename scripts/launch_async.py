@@ -1,0 +1,49 @@
+"""Launch an asynchronous troupe training run.
+
+Tiny CPU run (local Ray, started for you):
+    python scripts/launch_async.py --config configs/signal_game_tiny.yaml run.max_steps=20
+The CPU default (`make run`):
+    python scripts/launch_async.py --config configs/arith_duo_cpu.yaml
+On a cluster (start it with the project venv active):
+    ray start --head
+    ray job submit --working-dir . -- python scripts/launch_async.py --config configs/<x>.yaml
+
+Any config field can be overridden as key=value (e.g. models.policy.learner.lr=1e-5).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a bare checkout
+
+from runtime.config import ConfigError, load_config  # noqa: E402
+from runtime.controller import run  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML config under configs/")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    summary = run(cfg)
+    rows = summary["rows"]
+    print(json.dumps({"rows": rows, "learners": summary["learners"]}, indent=2, default=str))
+    print(f"run directory: {summary['run_dir']}")
+    print(f"TensorBoard:   tensorboard --logdir {Path(summary['run_dir']) / 'tensorboard'}")
+    for model_id, learner in summary["learners"].items():
+        print(f"weights of {model_id} (v{learner['version']}): {learner['weights']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

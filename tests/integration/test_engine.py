@@ -1,0 +1,193 @@
+"""The SGLang engine on CPU: behaviour logprobs, weight versions, restarts, n candidates.
+
+Run: python -m pytest tests/integration/test_engine.py -s   (-s prints measured parities)
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from actors.engines.client import EngineClient, EngineError, Generation
+from actors.engines.sglang import SGLangEngine
+
+# fp32 engine vs fp32 transformers forward: measured ~1e-6..1e-5 on the tiny model; the bound
+# leaves room for other CPUs while staying far below any real policy difference (> 1e-2).
+LOGPROB_TOL = 1e-3
+
+CHATS = [
+    [{"role": "user", "content": "what is 2 + 3 ?"}],
+    [{"role": "system", "content": "you are the sender ."},
+     {"role": "user", "content": "say the target message : a b c"}],
+    [{"role": "user", "content": "question : is 7 = 7 ? answer yes or no"}],
+]
+
+
+def generate(url: str, prompt_ids, **kwargs) -> list[Generation]:
+    """Run one `EngineClient.generate` in a fresh event loop (tests are synchronous)."""
+    async def call() -> list[Generation]:
+        client = EngineClient(url)
+        try:
+            return await client.generate(prompt_ids, **kwargs)
+        finally:
+            await client.aclose()
+    return asyncio.run(call())
+
+
+@functools.lru_cache(maxsize=4)
+def reference_model(path: str) -> LlamaForCausalLM:
+    """The same weights in transformers, fp32, for recomputing logprobs."""
+    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def reference_distributions(model, prompt_ids, response_ids, temperature: float):
+    """[T, V] log_softmax(logits / T) at each response position, given everything before."""
+    ids = torch.tensor([list(prompt_ids) + [int(t) for t in response_ids]])
+    with torch.no_grad():
+        logits = model(ids).logits[0]
+    predicting = logits[len(prompt_ids) - 1: ids.shape[1] - 1]  # position t predicts t+1
+    if temperature > 0:  # greedy logprobs are unscaled (see actors.engines.client)
+        predicting = predicting / temperature
+    return torch.log_softmax(predicting, dim=-1)
+
+
+def reference_logprobs(model, prompt_ids, response_ids, temperature: float) -> np.ndarray:
+    """[T] logprob of each response token under the reference model."""
+    rows = reference_distributions(model, prompt_ids, response_ids, temperature)
+    index = torch.as_tensor(np.asarray(response_ids), dtype=torch.long)[:, None]
+    return rows.gather(-1, index)[:, 0].numpy()
+
+
+def max_logprob_diff(model, prompt_ids, gen: Generation, temperature: float) -> float:
+    expected = reference_logprobs(model, prompt_ids, gen.response_ids, temperature)
+    return float(np.abs(expected - gen.logprobs).max())
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model_path: Path) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    texts = [tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+             for chat in CHATS]
+    return [tokenizer(text, add_special_tokens=False).input_ids for text in texts]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_logprobs_match_transformers(tiny_engine: SGLangEngine, prompts, temperature):
+    model = reference_model(str(tiny_engine.weights_path))
+    worst = 0.0
+    for prompt in prompts:
+        [gen] = generate(tiny_engine.url, prompt, n=1, max_new_tokens=16,
+                         temperature=temperature)
+        assert len(gen.response_ids) == len(gen.logprobs) == len(gen.versions) > 0
+        assert gen.response_ids.dtype == np.int32 and gen.logprobs.dtype == np.float32
+        worst = max(worst, max_logprob_diff(model, prompt, gen, temperature))
+        if temperature == 0.0:  # greedy picks the argmax, so its logprob is the row max
+            rows = reference_distributions(model, prompt, gen.response_ids, 0.0)
+            assert np.all(gen.logprobs >= rows.max(dim=-1).values.numpy() - LOGPROB_TOL)
+    print(f"\nlogprob parity at T={temperature}: max |engine - transformers| = {worst:.2e}")
+    assert worst < LOGPROB_TOL
+
+
+def test_weight_update_changes_version_and_policy(tiny_engine: SGLangEngine, tiny_model_path,
+                                                  prompts, tmp_path):
+    old_model = reference_model(str(tiny_engine.weights_path))
+    new_version = tiny_engine.weight_version + 1
+    new_path = tmp_path / f"v{new_version}"
+    perturbed = LlamaForCausalLM.from_pretrained(tiny_engine.weights_path, dtype=torch.float32)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for param in perturbed.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    perturbed.save_pretrained(new_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tiny_model_path / name, new_path / name)
+
+    answer = tiny_engine.update_weights_from_disk(new_path, new_version)
+    assert answer["success"], answer
+    assert tiny_engine.weight_version == new_version
+
+    new_model = reference_model(str(new_path))
+    to_new, to_old = [], []
+    for prompt in prompts:
+        [gen] = generate(tiny_engine.url, prompt, n=1, max_new_tokens=16)
+        assert np.all(gen.versions == new_version) and gen.behavior_version == new_version
+        to_new.append(max_logprob_diff(new_model, prompt, gen, 1.0))
+        to_old.append(max_logprob_diff(old_model, prompt, gen, 1.0))
+    print(f"\nafter update: parity with new weights {max(to_new):.2e}, "
+          f"distance to old weights {max(to_old):.2e}")
+    assert max(to_new) < LOGPROB_TOL
+    assert max(to_old) > 100 * LOGPROB_TOL  # the server really serves the new weights
+
+
+def test_killed_server_restarts_with_same_weights(tiny_engine: SGLangEngine, prompts):
+    restarts, version = tiny_engine.restarts, tiny_engine.weight_version
+    os.killpg(tiny_engine.pid, signal.SIGKILL)  # the whole server, as an OOM kill would
+    deadline = time.monotonic() + 30
+    while tiny_engine.is_alive():
+        assert time.monotonic() < deadline, "killed server still answers"
+        time.sleep(0.2)
+
+    url = tiny_engine.ensure_alive()
+    assert tiny_engine.restarts == restarts + 1
+    assert tiny_engine.ensure_alive() == url  # alive now: no second restart
+    assert tiny_engine.restarts == restarts + 1
+    print(f"\nrestart took {tiny_engine.startup_seconds:.1f} s")
+
+    model = reference_model(str(tiny_engine.weights_path))
+    [gen] = generate(url, prompts[0], n=1, max_new_tokens=8)
+    assert np.all(gen.versions == version)  # the restart reloaded the current weights
+    assert max_logprob_diff(model, prompts[0], gen, 1.0) < LOGPROB_TOL
+
+
+def test_n_candidates_have_consistent_lengths(tiny_engine: SGLangEngine, prompts):
+    model = reference_model(str(tiny_engine.weights_path))
+    gens = generate(tiny_engine.url, prompts[1], n=4, max_new_tokens=6)
+    assert len(gens) == 4
+    for gen in gens:
+        assert len(gen.response_ids) == len(gen.logprobs) == len(gen.versions) == 6
+        assert gen.finish_reason == "length"
+        assert np.all(gen.versions == tiny_engine.weight_version)
+        # Each candidate's logprobs belong to its own tokens, not to a sibling's.
+        assert max_logprob_diff(model, prompts[1], gen, 1.0) < LOGPROB_TOL
+    assert len({tuple(gen.response_ids) for gen in gens}) > 1  # near-uniform model: distinct
+
+
+def test_stop_token_is_kept_with_its_logprob(tiny_engine: SGLangEngine, tiny_model_path,
+                                             prompts):
+    vocab_size = len(AutoTokenizer.from_pretrained(tiny_model_path))
+    # Every id stops, so the first sampled token ends the response.
+    [gen] = generate(tiny_engine.url, prompts[0], n=1, max_new_tokens=8,
+                     stop_token_ids=list(range(vocab_size)))
+    assert gen.finish_reason == "stop"
+    assert len(gen.response_ids) == len(gen.logprobs) == 1
+    model = reference_model(str(tiny_engine.weights_path))
+    assert max_logprob_diff(model, prompts[0], gen, 1.0) < LOGPROB_TOL
+
+
+def test_client_gives_up_on_a_dead_port_after_bounded_retries(tiny_engine: SGLangEngine):
+    dead_url = "http://127.0.0.1:9"  # discard port: nothing listens there
+    with pytest.raises(EngineError, match="unreachable after 2 retries"):
+        async def call():
+            client = EngineClient(dead_url, max_retries=2, retry_backoff_s=0.01)
+            try:
+                await client.generate([3, 5], n=1, max_new_tokens=2)
+            finally:
+                await client.aclose()
+        asyncio.run(call())
+
+    async def probe() -> bool:
+        client = EngineClient(tiny_engine.url)
+        try:
+            return await client.health()
+        finally:
+            await client.aclose()
+    assert asyncio.run(probe())

@@ -1,0 +1,67 @@
+"""Config validation: every shipped config loads; bad keys and values name the field."""
+from pathlib import Path
+
+import pytest
+
+from runtime.config import ConfigError, load_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_loads_and_starts_with_its_command(path):
+    cfg = load_config(path)
+    assert cfg.models
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("#"), f"{path.name} must open with a comment giving its run command"
+    assert "launch_async.py" in path.read_text().split("\n", 3)[1] + first
+
+
+def test_overrides_apply():
+    cfg = load_config(CONFIGS[0], ["run.max_steps=7", "rollout.concurrency=3"])
+    assert cfg.run.max_steps == 7 and cfg.rollout.concurrency == 3
+
+
+def test_unknown_key_names_the_key():
+    with pytest.raises(ConfigError, match="no_such_field"):
+        load_config(CONFIGS[0], ["run.no_such_field=1"])
+
+
+def test_bad_type_names_the_field():
+    with pytest.raises(ConfigError, match="max_steps"):
+        load_config(CONFIGS[0], ["run.max_steps=many"])
+
+
+@pytest.mark.parametrize("override,field", [
+    ("run.max_steps=0", "max_steps"),
+    ("rollout.temperature=0", "temperature"),
+    ("workflow.name=chess", "workflow.name"),
+    ("workflow.group_size=0", "group_size"),
+    ("coach.latency_s=-1", "latency_s"),
+])
+def test_bad_values_name_the_field(override, field):
+    with pytest.raises(ConfigError, match=field):
+        load_config(CONFIGS[0], [override])
+
+
+def test_agent_mapped_to_unknown_model():
+    with pytest.raises(ConfigError, match="not a key of models"):
+        load_config(None, ["workflow.name=arith_duo", "workflow.agents.solver=a",
+                           "workflow.agents.verifier=b", "models.a.path=tiny"])
+
+
+def test_readiness_must_match_estimator():
+    with pytest.raises(ConfigError, match="readiness"):
+        load_config(None, ["workflow.name=arith_duo", "workflow.agents.solver=p",
+                           "workflow.agents.verifier=p",
+                           "models.p.learner.advantage=reinforce_pp"])
+    cfg = load_config(None, ["workflow.name=arith_duo", "workflow.agents.solver=p",
+                             "workflow.agents.verifier=p",
+                             "models.p.learner.advantage=reinforce_pp",
+                             "models.p.buffer.readiness=episode"])
+    assert cfg.models["p"].buffer.readiness == "episode"
+
+
+def test_temperature_mismatch_is_refused():
+    with pytest.raises(ConfigError, match="temperature"):
+        load_config(CONFIGS[0], ["rollout.temperature=0.7"])

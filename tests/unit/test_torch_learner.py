@@ -1,0 +1,166 @@
+"""TorchLearner on a tiny random Llama: logprobs, learning signal, publishing, resume."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+from buffers.schema import StepRecord, records_to_table
+from learners.batch import build_train_batch
+from learners.config import LearnerConfig
+from learners.protocol import WeightRef, build_learner
+from learners.torch_backend import TorchLearner
+
+torch.set_num_threads(1)
+VOCAB = 64
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    """A randomly initialised 2-layer Llama (hidden 32, vocab 64) with a word-level tokenizer."""
+    path = str(tmp_path_factory.mktemp("tiny_llama"))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, pad_token_id=PAD)
+    LlamaForCausalLM(config).save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="t1"))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t1",
+                            pad_token="t0").save_pretrained(path)
+    return path
+
+
+def make_batch(responses, advantages, behavior=None, prompt=(5, 6, 7)):
+    records = [
+        StepRecord(
+            step_id=f"s{i}", run_id="r", model_id="m", agent="a", workflow="w", task_id="t",
+            episode_id="e", branch="", turn=0, group_key=b"k" * 16, group_size=len(responses),
+            candidate=i, prompt_ids=np.array(prompt, np.int32),
+            response_ids=np.array(r, np.int32),
+            behavior_logprobs=np.array(behavior[i] if behavior else [-4.0] * len(r), np.float32),
+            token_versions=np.zeros(len(r), np.int32), finish_reason="stop", reward=0.0,
+        )
+        for i, r in enumerate(responses)
+    ]
+    return build_train_batch(records_to_table(records), np.array(advantages, np.float32), PAD)
+
+
+def learner(model_path, tmp_path, **overrides) -> TorchLearner:
+    cfg = LearnerConfig(**{"lr": 1e-2, "micro_batch_tokens": 16, **overrides})
+    return TorchLearner(cfg, "m", model_path, str(tmp_path / "weights"))
+
+
+def on_policy_batch(lrn, responses, advantages):
+    """Behaviour logprobs = the learner's own, as if sampled by an engine at its version."""
+    probe = make_batch(responses, advantages)
+    current = lrn.logprobs(probe)
+    behavior = [current[i][probe.loss_mask[i] > 0].tolist() for i in range(len(responses))]
+    return make_batch(responses, advantages, behavior)
+
+
+def test_logprobs_match_a_direct_forward(model_path, tmp_path):
+    lrn = learner(model_path, tmp_path, temperature=0.7)
+    batch = make_batch([[8, 9, 10, 11], [12], [13, 14]], [0.0, 0.0, 0.0])
+    got = lrn.logprobs(batch)  # micro_batch_tokens=16 splits the three rows
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    expected = torch.log_softmax(logits / 0.7, -1).gather(-1, batch.target_ids[..., None])[..., 0]
+    mask = batch.loss_mask > 0
+    torch.testing.assert_close(got[mask], expected[mask], atol=1e-5, rtol=1e-5)
+    assert got.shape == batch.loss_mask.shape and (got[~mask] == 0).all()
+
+
+def test_positive_advantage_raises_that_responses_logprob(model_path, tmp_path):
+    lrn = learner(model_path, tmp_path)
+    responses = [[20, 21, 22], [30, 31, 32]]
+    batch = on_policy_batch(lrn, responses, [1.0, -1.0])
+    before = lrn.logprobs(batch)[0].sum().item()
+    for step in range(4):
+        metrics = lrn.train_step(batch)
+        assert all(math.isfinite(v) for v in metrics.values()), metrics
+    after = lrn.logprobs(batch)[0].sum().item()
+    assert after > before + 0.1, (before, after)
+    assert lrn.version == 4 and metrics["tokens"] == 6.0
+    expected_keys = {"loss", "clip_fraction", "importance_weight_mean", "importance_weight_max",
+                     "truncated_fraction", "approx_kl", "entropy", "grad_norm", "tokens", "time_s"}
+    assert expected_keys <= set(metrics)
+
+
+def test_first_step_is_on_policy(model_path, tmp_path):
+    # Behaviour = proximal = current weights: u = w = 1, so loss = −(token mean of A).
+    lrn = learner(model_path, tmp_path)
+    batch = on_policy_batch(lrn, [[20, 21, 22], [30]], [1.0, -1.0])
+    metrics = lrn.train_step(batch)
+    assert metrics["loss"] == pytest.approx(-(3 * 1.0 - 1.0) / 4, abs=1e-5)
+    assert metrics["importance_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["clip_fraction"] == 0.0 and metrics["approx_kl"] == pytest.approx(0, abs=1e-7)
+
+
+def test_reference_kl_is_reported(model_path, tmp_path):
+    lrn = learner(model_path, tmp_path, kl_beta=0.1)
+    batch = make_batch([[20, 21]], [1.0])
+    first = lrn.train_step(batch)
+    second = lrn.train_step(batch)
+    assert first["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # still the reference weights
+    assert second["kl_ref"] > 0.0
+
+
+def test_publish_weights_writes_a_loadable_hf_folder(model_path, tmp_path):
+    lrn = build_learner(dataclasses.replace(LearnerConfig(), lr=1e-2), "m", model_path,
+                        str(tmp_path / "weights"))
+    lrn.train_step(make_batch([[20, 21]], [1.0]))
+    ref = lrn.publish_weights(1)
+    assert ref == WeightRef("m", 1, str(tmp_path / "weights" / "v1"))
+    assert os.listdir(tmp_path / "weights") == ["v1"]  # no staging folder left behind
+    assert os.path.exists(os.path.join(ref.path, "model.safetensors"))
+    loaded = AutoModelForCausalLM.from_pretrained(ref.path, dtype=torch.float32)
+    for name, tensor in lrn.model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor, atol=0, rtol=0)
+    assert AutoTokenizer.from_pretrained(ref.path)("t3 t4")["input_ids"] == [3, 4]
+    with pytest.raises(FileExistsError):
+        lrn.publish_weights(1)
+
+
+def test_save_load_then_next_step_is_identical(model_path, tmp_path):
+    batch = make_batch([[20, 21, 22], [30, 31]], [1.0, -0.5])
+    first = learner(model_path, tmp_path, ppo_epochs=2)
+    first.train_step(batch)
+    first.save(str(tmp_path / "ckpt"))
+    first.save(str(tmp_path / "ckpt"))  # overwriting a checkpoint replaces it
+    expected = first.train_step(batch)
+
+    resumed = learner(model_path, tmp_path, ppo_epochs=2, seed=123)
+    resumed.load(str(tmp_path / "ckpt"))
+    assert resumed.version == 1
+    got = resumed.train_step(batch)
+    for key in ("loss", "grad_norm", "approx_kl", "clip_fraction", "entropy"):
+        assert got[key] == expected[key], key
+    for name, tensor in first.model.state_dict().items():
+        torch.testing.assert_close(resumed.model.state_dict()[name], tensor, atol=0, rtol=0)
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []  # no staging leftovers
+
+
+def test_missing_tokenizer_fails_early(tmp_path):
+    path = str(tmp_path / "bare")
+    LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=1, num_attention_heads=4)).save_pretrained(path)
+    with pytest.raises(FileNotFoundError, match="tokenizer_config.json"):
+        TorchLearner(LearnerConfig(), "m", path, str(tmp_path / "w"))

@@ -1,0 +1,68 @@
+"""Workflow rules: parsing and scores for every kind of model output (never an exception)."""
+import random
+
+import pytest
+
+from actors.workflows.arith_duo import ArithDuo, boxed_answer, num_eq
+from actors.workflows.base import ArithDuoConfig, SignalGameConfig, Task
+from actors.workflows.signal_game import SignalGame
+
+TASK = Task("t", "What is 17 + 25?", "42")
+
+
+@pytest.mark.parametrize("text,finish,score", [
+    ("The answer is \\boxed{42}.", "stop", 1.0),
+    ("\\boxed{ 42 }", "length", 1.0),
+    ("\\boxed{41}", "stop", 0.2),
+    ("42", "stop", 0.0),  # right number but no box: format penalty takes everything
+    ("", "stop", 0.0),
+    ("\\boxed{", "length", 0.0),
+    ("\x00\x01 garbage ✓ \\boxed{abc}", "stop", 0.0),
+])
+def test_verifier_scores(text, finish, score):
+    wf = ArithDuo(ArithDuoConfig())
+    assert wf.rule_score("verifier", TASK, text, finish, {}) == pytest.approx(score)
+
+
+@pytest.mark.parametrize("text,finish,score", [
+    ("17 + 25 = 42", "stop", 1.0),
+    ("17 + 25 = 42 and then", "length", 0.7),
+    ("17 + 25 = 43", "stop", 0.3),
+    ("", "stop", 0.0),
+    ("", "length", 0.0),
+])
+def test_solver_scores(text, finish, score):
+    wf = ArithDuo(ArithDuoConfig())
+    assert wf.rule_score("solver", TASK, text, finish, {}) == pytest.approx(score)
+
+
+def test_boxed_takes_the_last_answer_and_num_eq():
+    assert boxed_answer("\\boxed{1} then \\boxed{-3}") == -3
+    assert boxed_answer("no box") is None
+    assert num_eq(42.0, 42.0000001) and not num_eq(42, 43)
+
+
+def test_arith_tasks_are_reproducible_and_correct():
+    wf = ArithDuo(ArithDuoConfig(max_operand=9, operators="*"))
+    a = [wf.make_task(random.Random(3), i) for i in range(5)]
+    b = [wf.make_task(random.Random(3), i) for i in range(5)]
+    assert a == b
+    for task in a:
+        x, op, y = task.prompt.removeprefix("What is ").rstrip("?").split()
+        assert int(task.truth) == int(x) * int(y)
+
+
+def test_signal_game_parses_only_valid_targets():
+    game = SignalGame(SignalGameConfig(num_targets=4))
+    assert game.parse_answer("3") == 3
+    assert game.parse_answer(" 2 x") == 2
+    assert game.parse_answer("7") is None
+    assert game.parse_answer("") is None
+    assert game.parse_answer("b") is None
+
+
+def test_units_per_round_counts_shared_models():
+    wf = ArithDuo(ArithDuoConfig())
+    assert wf.units_per_round({"solver": "p", "verifier": "p"}, 4) == {"p": 2}
+    game = SignalGame(SignalGameConfig())
+    assert game.units_per_round({"sender": "a", "receiver": "b"}, 8) == {"a": 1, "b": 1}
