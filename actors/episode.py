@@ -100,7 +100,9 @@ class Episode:
                  round_size: int, round_index: int, group_size: int,
                  agent_models: dict[str, str],
                  routes: dict[str, ModelRoute], sampling: SamplingParams,
-                 truth: str | None = None) -> None:
+                 truth: str | None = None,
+                 sync_scorer: Callable[[list[CoachRequest]], Awaitable[dict[str, float]]]
+                 | None = None) -> None:
         self.run_id = run_id
         self.workflow = workflow
         self.task_id = task_id

@@ -1,12 +1,14 @@
 """Per-model replay buffer: rows wait for rewards, units become ready, learners sample them.
 
-The buffer owns the rows of one model (DESIGN §2-§5). Token columns live in Arrow record
-batches ("chunks") built once per batch of arrivals and never mutated; everything that
-changes after arrival (status, reward components, rewarded_at) lives in numpy arrays indexed
-by row id. Row ids are absolute and never renumbered, so the step_id index and the units'
-row lists stay valid while memory is reclaimed: a chunk whose rows are all gone is freed, a
-chunk that is mostly gone is rewritten with its live rows, and the state arrays drop their
-dead prefix when they need room.
+The buffer owns the rows of one model (DESIGN §2-§5) and is one actor that every rollout
+actor writes to and every learner reads from, so its per-row cost is the system's serial
+bottleneck. Producers therefore do the row-to-Arrow conversion (`records_to_table`, in
+parallel on the rollout side) and send Arrow; the buffer keeps their record batches as
+immutable chunks without copying a token (`buffers/store.py`) and does its bookkeeping per
+batch with numpy / Arrow kernels. Everything that changes after arrival (status, reward
+components, rewarded_at) lives in numpy arrays indexed by row id; row ids are absolute and
+never renumbered, so the step_id index and the units' row lists stay valid while memory is
+reclaimed. `sample` copies the handed-out rows once, into one contiguous batch.
 
 A plain class: `runtime/` wraps it as an actor; unit tests build it directly.
 """
@@ -17,82 +19,24 @@ import math
 import sys
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from buffers.schema import (
-    DROP_REASONS, REWARD_COLUMNS, STEP_SCHEMA, RewardCommit, Status, StepRecord,
-    records_to_table,
+    DROP_REASONS, REWARD_COLUMNS, STEP_SCHEMA, RewardCommit, Status, StepBatch, StepRecord,
 )
+from buffers.api import BufferConfig, BufferStats, ReadyBatch  # noqa: F401 (public here too)
+from buffers.ingest import Arrival, as_table, other_values
+from buffers.store import ChunkStore, StoreConfig
 
-READINESS_MODES = ("group", "episode")
 # Columns that change after arrival; the chunks store every other column of STEP_SCHEMA.
 _MUTABLE_COLUMNS = (*REWARD_COLUMNS, "status", "rewarded_at")
 _STORED_SCHEMA = pa.schema([f for f in STEP_SCHEMA if f.name not in _MUTABLE_COLUMNS])
 _PENDING, _READY, _FAILED, _DROPPED = (int(s) for s in Status)  # plain ints: enum lookups are slow in hot loops
-_STAGE_ROWS = 512  # arrivals are converted to Arrow in batches of about this many rows
-# A chunk with more dead rows than this fraction is rewritten with its live rows. At 1/2 a row
-# is copied about once more over its life (rewrites shrink geometrically) while resident bytes
-# stay under twice the live bytes; lower values trade copies for memory.
-_REWRITE_DEAD_FRACTION = 0.5
-
-
-@dataclass(frozen=True)
-class BufferConfig:
-    """Capacity and readiness rules of one model's buffer."""
-
-    capacity_rows: int = 4096  # rows held at most (pending+ready); try_add beyond it is refused (backpressure)
-    readiness: str = "group"  # "group" (unit = group_key, complete at group_size rows) or "episode" (unit = episode_id, complete when sealed)
-    min_group_size: int = 1  # a unit whose surviving rows (after FAILED/stale removal) fall below this is dropped as "incomplete"
-    unit_timeout_s: float = 600.0  # a unit not complete this long after its first row is dropped as "timeout"
-
-    def __post_init__(self) -> None:
-        if self.capacity_rows < 1:
-            raise ValueError(f"capacity_rows={self.capacity_rows}: must be >= 1; raise it")
-        if self.readiness not in READINESS_MODES:
-            raise ValueError(
-                f"readiness={self.readiness!r}: must be one of {READINESS_MODES}; use 'group' "
-                "for group-relative estimators, 'episode' for return-to-go ones"
-            )
-        if self.min_group_size < 1:
-            raise ValueError(f"min_group_size={self.min_group_size}: must be >= 1; set it to 1 or more")
-        if not self.unit_timeout_s > 0:
-            raise ValueError(f"unit_timeout_s={self.unit_timeout_s}: must be > 0 seconds; give a positive timeout")
-
-
-@dataclass(frozen=True)
-class ReadyBatch:
-    """Rows of complete units handed to a learner.
-
-    `table` holds N rows in STEP_SCHEMA, one chunk, every row READY with `reward` set, rows
-    of one unit contiguous; unit u spans rows `unit_offsets[u]:unit_offsets[u + 1]`.
-    """
-
-    table: pa.Table  # STEP_SCHEMA rows, status READY, ordered unit by unit
-    unit_ids: list  # unit id per unit (group_key bytes or episode_id str), [U]
-    staleness: np.ndarray  # int32 [N]: version - behavior_version per row
-    version: int  # the learner version the batch was sampled for
-    unit_offsets: np.ndarray  # int64 [U + 1]: row range of each unit in `table`
-    unit_ready_at: np.ndarray  # float64 [U]: wall time each unit became complete
-
-
-@dataclass(frozen=True)
-class BufferStats:
-    """Counters of one buffer; the accounting identity is
-    rows_added == rows_trained + sum(dropped.values()) + pending_rows + ready_rows."""
-
-    pending_rows: int  # held rows still waiting for a reward
-    ready_rows: int  # held rows rewarded (their unit may still wait for siblings)
-    ready_units: int  # complete units waiting for a learner
-    rows_added: int  # rows ever accepted by try_add
-    rows_trained: int  # rows handed out by sample
-    dropped: dict  # reason -> rows dropped, every DROP_REASONS key present
-    late_commits: int  # commits for rows no longer held (already trained or dropped)
-    backpressure_refusals: int  # try_add calls refused for capacity
-    resident_bytes: int  # Arrow buffers + numpy state + index structures
+_STORED_NAMES = _STORED_SCHEMA.names
 
 
 class _Unit:
@@ -111,35 +55,25 @@ class _Unit:
         self.closed = False
 
 
-class _Chunk:
-    """One immutable Arrow batch holding rows [start, stop); `row_ids` is set once rewritten."""
-
-    __slots__ = ("start", "stop", "batch", "row_ids")
-
-    def __init__(self, start: int, stop: int, batch: pa.RecordBatch) -> None:
-        self.start, self.stop, self.batch = start, stop, batch
-        self.row_ids: np.ndarray | None = None  # sorted ids of the rows kept by a rewrite
-
-
 class ReplayBuffer:
     """Rows of one model, grouped into readiness units, sampled oldest-ready-first."""
 
     def __init__(self, model_id: str, cfg: BufferConfig) -> None:
         self.model_id = model_id
         self.cfg = cfg
+        self._group_mode = cfg.readiness == "group"
         self._base = 0  # row id stored at slot 0 of the state arrays
         self._end = 0  # next row id
-        slots = 1024
+        slots = 256  # grows by doubling; the dead prefix is dropped first
         self._status = np.zeros(slots, np.int8)
         self._alive = np.zeros(slots, bool)
         self._rewards = np.full((slots, len(REWARD_COLUMNS)), np.nan, np.float32)  # NaN = null
         self._rewarded_at = np.full(slots, np.nan)
         self._behavior_version = np.zeros(slots, np.int32)
-        self._row_unit: list[_Unit | None] = []  # slot -> unit
-        self._row_step: list[str | None] = []  # slot -> step_id
+        self._row_unit = np.full(slots, None, object)  # slot -> _Unit
+        self._row_step = np.full(slots, None, object)  # slot -> step_id
         self._index: dict[str, int] = {}  # step_id -> row id, live rows only
-        self._chunks: list[_Chunk] = []
-        self._staged: list[StepRecord] = []  # accepted rows not yet converted to Arrow
+        self._store = ChunkStore(_STORED_SCHEMA, StoreConfig(coalesce_after=cfg.coalesce_after))
         self._units: dict = {}
         self._ready: OrderedDict = OrderedDict()  # complete units in the order they became ready
         self._deadlines: list = []  # heap of (first_at, seq, unit) for timeouts
@@ -151,103 +85,145 @@ class ReplayBuffer:
         self._dropped_units = 0
 
     # ----------------------------------------------------------------- arrivals
-    def try_add(self, records: list[StepRecord]) -> bool:
-        """Accept all records or none; False (a counted refusal) when capacity would be exceeded.
+    def try_add(self, rows: StepBatch | pa.Table | pa.RecordBatch | list[StepRecord]) -> bool:
+        """Accept all rows or none; False (a counted refusal) when capacity would be exceeded.
 
-        Raises ValueError for rows that can never be accepted (another model's rows, a repeated
-        step_id, more rows than the unit expects, a batch larger than the whole capacity).
+        `rows` is what a producer sends: a `StepBatch` or Arrow table / record batch in
+        STEP_SCHEMA (kept as chunks without copying), or StepRecords (converted here). A row
+        is READY on arrival when its `reward` is set, PENDING otherwise.
+
+        Raises ValueError for rows that can never be accepted (another schema or model, a
+        repeated step_id, a group_size that differs within a group, more rows than the unit
+        expects, a batch larger than the whole capacity).
         """
-        n = len(records)
+        table, wire_nbytes = as_table(rows)
+        n = table.num_rows
         if n == 0:
             return True
         if n > self.cfg.capacity_rows:
             raise ValueError(f"{n} rows in one try_add exceed capacity_rows={self.cfg.capacity_rows}; raise capacity_rows")
-        group_mode = self.cfg.readiness == "group"
-        arriving: Counter = Counter()
-        for r in records:  # validate everything before mutating anything (all-or-nothing)
-            if r.model_id != self.model_id:
-                raise ValueError(f"row {r.step_id} is for model {r.model_id!r}, this buffer holds {self.model_id!r}")
-            if r.step_id in self._index:
-                raise ValueError(f"row {r.step_id} was already added")
-            uid = r.group_key if group_mode else r.episode_id
-            arriving[uid] += 1
-            unit = self._units.get(uid)
-            expected = r.group_size if group_mode else (unit.expected if unit else None)
-            if group_mode and unit is not None and unit.expected != r.group_size:
-                raise ValueError(f"row {r.step_id}: group_size {r.group_size} differs from its group's {unit.expected}")
-            if self._closed.get(uid, "") is None:
-                raise ValueError(f"row {r.step_id} arrived for a unit that was already trained")
-            if expected is not None and (unit.received if unit else 0) + arriving[uid] > expected:
-                raise ValueError(f"row {r.step_id}: its unit {uid!r} expects {expected} rows and got more")
-        if len({r.step_id for r in records}) != n:
-            raise ValueError("try_add got the same step_id twice in one call")
-        # refused only after validation, so a malformed batch fails loudly even when full
-        if self._live + n > self.cfg.capacity_rows:
+        arrival = self._validate(table)  # everything is checked before anything moves
+        if self._live + n > self.cfg.capacity_rows:  # refused only after validation
             self._refusals += 1
             return False
+        self._insert(table, arrival, wire_nbytes)
+        return True
+
+    def _validate(self, table: pa.Table) -> Arrival:
+        """Vectorised checks of one arrival; returns its per-row and per-unit arrays."""
+        n = table.num_rows
+        others = other_values(table.column("model_id"), self.model_id)
+        if others:
+            raise ValueError(f"rows for model {others[0]!r} sent to the buffer of {self.model_id!r}")
+        step_ids = table.column("step_id").to_numpy()  # object array of str
+        if len(set(step_ids.tolist())) != n:
+            raise ValueError("try_add got the same step_id twice in one call")
+        if not self._index.keys().isdisjoint(step_ids.tolist()):
+            repeated = next(s for s in step_ids.tolist() if s in self._index)
+            raise ValueError(f"row {repeated} was already added")
+        uid_column = table.column("group_key" if self._group_mode else "episode_id")
+        if uid_column.num_chunks == 1:  # the usual message: one record batch
+            encoded = uid_column.chunk(0).dictionary_encode()
+            codes, uids = encoded.indices.to_numpy(), encoded.dictionary.to_pylist()
+        else:
+            unique = pc.unique(uid_column)
+            codes, uids = pc.index_in(uid_column, value_set=unique).to_numpy(), unique.to_pylist()
+        # dictionary codes number units by first appearance, so a unit's first row is found
+        # by one reversed scatter and its row count by one bincount
+        first = np.empty(len(uids), np.int64)
+        first[codes[::-1]] = np.arange(n - 1, -1, -1)
+        counts = np.bincount(codes, minlength=len(uids))
+        group_size = table.column("group_size").to_numpy()
+        if self._group_mode and (group_size != group_size[first][codes]).any():
+            row = int(np.flatnonzero(group_size != group_size[first][codes])[0])
+            raise ValueError(f"row {step_ids[row]}: group_size {group_size[row]} differs from its group's")
+        for u, uid in enumerate(uids):
+            unit = self._units.get(uid)
+            if self._group_mode and unit is not None and unit.expected != group_size[first[u]]:
+                raise ValueError(f"row {step_ids[first[u]]}: group_size {group_size[first[u]]} "
+                                 f"differs from its group's {unit.expected}")
+            if self._closed.get(uid, "") is None:
+                raise ValueError(f"row {step_ids[first[u]]} arrived for a unit that was already trained")
+            expected = group_size[first[u]] if self._group_mode else (unit.expected if unit else None)
+            if expected is not None and (unit.received if unit else 0) + counts[u] > expected:
+                raise ValueError(f"row {step_ids[first[u]]}: its unit {uid!r} expects {expected} rows and got more")
+        rewards = np.stack([table.column(name).to_numpy() for name in REWARD_COLUMNS], axis=1)
+        if not np.isfinite(rewards[~np.isnan(rewards)]).all():
+            raise ValueError("rewards must be finite or null")
+        created_at = table.column("created_at").to_numpy().view(np.int64) / 1e6
+        return Arrival(step_ids, codes, uids, first, counts, group_size, rewards, created_at)
+
+    def _insert(self, table: pa.Table, a: Arrival, wire_nbytes: int) -> None:
+        n, start = table.num_rows, self._end
         self._ensure_slots(n)
-        now = time.time()
-        late: list[tuple[int, str]] = []
-        for r in records:
-            row, slot = self._end, self._end - self._base
-            self._end += 1
-            uid = r.group_key if group_mode else r.episode_id
-            self._index[r.step_id] = row
-            self._row_step.append(r.step_id)
-            self._alive[slot] = True
-            if uid in self._closed:  # its unit was dropped: the row follows it at once
-                self._row_unit.append(None)
-                late.append((row, self._closed[uid]))
+        lo, hi = start - self._base, start - self._base + n
+        rows = np.arange(start, start + n, dtype=np.int64)
+        rewarded = ~np.isnan(a.rewards[:, -1])
+        self._alive[lo:hi] = True
+        self._status[lo:hi] = np.where(rewarded, _READY, _PENDING)
+        self._rewards[lo:hi] = a.rewards
+        self._rewarded_at[lo:hi] = np.where(rewarded, a.created_at, np.nan)
+        self._behavior_version[lo:hi] = table.column("behavior_version").to_numpy()
+        self._row_step[lo:hi] = a.step_ids
+        self._index.update(zip(a.step_ids.tolist(), range(start, start + n)))
+        stored = table.select(_STORED_NAMES)
+        offset = start
+        for batch in stored.to_batches():
+            self._store.append(batch, offset, wire_nbytes if stored.num_rows == batch.num_rows else None)
+            offset += batch.num_rows
+        self._end += n
+        self._live += n
+        self._rows_added += n
+        # per unit (a handful per arrival), not per row
+        unit_rows = np.split(rows[np.argsort(a.codes, kind="stable")], np.cumsum(a.counts)[:-1])
+        rewarded_per_unit = np.bincount(a.codes, weights=rewarded, minlength=len(a.uids)).astype(int)
+        units = np.empty(len(a.uids), object)
+        late, touched = [], []
+        for u, uid in enumerate(a.uids):
+            if uid in self._closed:  # its unit was dropped: the rows follow it at once
+                late.append((unit_rows[u], self._closed[uid]))
                 continue
             unit = self._units.get(uid)
             if unit is None:
-                unit = self._new_unit(uid, r.group_size if group_mode else None, r.created_at)
-            unit.received += 1
-            unit.rows.append(row)
-            self._row_unit.append(unit)
-            if r.reward is not None:
-                self._status[slot] = _READY
-                self._rewarded_at[slot] = r.created_at
-                unit.rewarded += 1
-            else:
-                self._status[slot] = _PENDING
-            self._rewards[slot] = [math.nan if v is None else v for v in
-                                   (r.reward_local, r.reward_team, r.coach_score, r.outcome, r.reward)]
-        self._staged.extend(records)
-        self._live += n
-        self._rows_added += n
-        for row, reason in late:
-            self._kill(row, reason)
-        for unit in {id(u): u for u in self._row_unit[-n:] if u is not None}.values():
+                expected = int(a.group_size[a.first[u]]) if self._group_mode else None
+                unit = self._new_unit(uid, expected, float(a.created_at[a.first[u]]))
+            unit.received += int(a.counts[u])
+            unit.rows.extend(unit_rows[u].tolist())
+            unit.rewarded += int(rewarded_per_unit[u])
+            units[u] = unit
+            touched.append(unit)
+        self._row_unit[lo:hi] = units[a.codes]
+        for unit_rows_late, reason in late:
+            self._kill(unit_rows_late, reason)
+        now = time.time()
+        for unit in touched:
             self._check(unit, now)
-        if len(self._staged) >= _STAGE_ROWS:
-            self._materialize()
-        return True
 
     def commit_rewards(self, commits: list[RewardCommit]) -> None:
         """Apply reward components by step_id; unknown ids count as late commits."""
+        now, index, rewards, status = time.time(), self._index, self._rewards, self._status
         for c in commits:
             values = (c.reward_local, c.reward_team, c.coach_score, c.outcome, c.reward)
             if any(v is not None and not math.isfinite(v) for v in values):
                 raise ValueError(f"commit for {c.step_id}: rewards must be finite, got {values}")
-        now = time.time()
         for c in commits:
-            row = self._index.get(c.step_id)
+            row = index.get(c.step_id)
             if row is None:
                 self._late += 1
                 continue
-            slot, unit = row - self._base, self._row_unit[row - self._base]
+            slot = row - self._base
             if c.failed_reason is not None:
-                self._status[slot] = _FAILED
-                self._remove_from_unit(row, "failed", now)
+                status[slot] = _FAILED
+                self._remove_rows(np.array([row]), "failed", now)
                 continue
-            current = self._rewards[slot]
+            current = rewards[slot]
             for k, v in enumerate((c.reward_local, c.reward_team, c.coach_score, c.outcome, c.reward)):
                 if v is not None:
                     current[k] = v
-            if c.reward is not None and self._status[slot] == _PENDING:
-                self._status[slot] = _READY
+            if c.reward is not None and status[slot] == _PENDING:
+                status[slot] = _READY
                 self._rewarded_at[slot] = now
+                unit = self._row_unit[slot]
                 unit.rewarded += 1
                 self._check(unit, now)
 
@@ -270,27 +246,15 @@ class ReplayBuffer:
         is closed, other groups still missing rows of the lost episode end by timeout.
         """
         _check_reason(reason)
-        self._materialize()
-        now = time.time()
         if self.cfg.readiness == "episode":
             unit = self._units.get(episode_id)
             dropped = self._drop_unit(unit, reason) if unit is not None else 0
-            self._reclaim()
-            return dropped
-        rows = self._rows_of_episode(episode_id)
-        touched = {}
-        for row in rows:  # every row goes under `reason` before any unit is re-evaluated
-            unit = self._row_unit[row - self._base]
-            touched[id(unit)] = unit
-            self._detach(row)
-            self._kill(row, reason)
-        for unit in touched.values():
-            if not unit.rows:
-                self._drop_unit(unit, reason)
-            else:
-                self._check(unit, now)
-        self._reclaim()
-        return len(rows)
+        else:
+            rows = self._store.find("episode_id", episode_id)
+            self._remove_rows(rows, reason, time.time(), empty_unit_reason=reason)
+            dropped = len(rows)
+        self._store.compact()
+        return dropped
 
     # ----------------------------------------------------------------- learner side
     def sample(self, num_units: int, current_version: int, max_staleness: int,
@@ -300,28 +264,26 @@ class ReplayBuffer:
         Returns None (and keeps every ready unit) when fewer than `num_units` are complete.
         """
         now = time.time() if now is None else now
-        self._materialize()
         self._drop_stale(current_version - max_staleness, now)
         while self._deadlines and self._deadlines[0][0] + self.cfg.unit_timeout_s < now:
             unit = heapq.heappop(self._deadlines)[2]
             if not unit.closed and unit.ready_at is None:
                 self._drop_unit(unit, "timeout")
         if len(self._ready) < num_units:
-            self._reclaim()
+            self._store.compact()
             return None
         units = [self._ready.popitem(last=False)[1] for _ in range(num_units)]
-        sizes = np.fromiter((len(u.rows) for u in units), np.int64, count=num_units)
+        sizes = np.fromiter(map(len, (u.rows for u in units)), np.int64, count=num_units)
         offsets = np.zeros(num_units + 1, np.int64)
         np.cumsum(sizes, out=offsets[1:])
-        rows = np.fromiter((r for u in units for r in u.rows), np.int64, count=int(offsets[-1]))
+        rows = np.fromiter(chain.from_iterable(u.rows for u in units), np.int64, count=int(offsets[-1]))
         table = self._assemble(rows)
         staleness = (current_version - self._behavior_version[rows - self._base]).astype(np.int32)
         for unit in units:
             self._close(unit, None)
-        for row in rows.tolist():
-            self._kill(row, None)
+        self._kill(rows, None)
         self._rows_trained += len(rows)
-        self._reclaim()
+        self._store.compact()
         ready_at = np.array([u.ready_at for u in units], np.float64)
         return ReadyBatch(table, [u.uid for u in units], staleness, current_version, offsets, ready_at)
 
@@ -331,8 +293,7 @@ class ReplayBuffer:
         held = self._live
         for unit in list(self._units.values()):
             self._drop_unit(unit, reason)
-        self._materialize()
-        self._reclaim()
+        self._store.compact()
         return held
 
     def take_dropped_units(self) -> int:
@@ -341,21 +302,19 @@ class ReplayBuffer:
         return count
 
     def stats(self) -> BufferStats:
-        """Counters and resident bytes; converts staged rows so the bytes are accurate."""
-        self._materialize()
+        """Counters and resident bytes (Arrow chunks, numpy state, index structures)."""
         slots = self._end - self._base
         live = self._alive[:slots]
         ready_rows = int(np.count_nonzero(live & (self._status[:slots] == _READY)))
-        arrow = sum(c.batch.get_total_buffer_size() for c in self._chunks if c.batch is not None)
-        arrays = (self._status, self._alive, self._rewards, self._rewarded_at, self._behavior_version)
+        arrays = (self._status, self._alive, self._rewards, self._rewarded_at, self._behavior_version,
+                  self._row_unit, self._row_step)
         index = sys.getsizeof(self._index) + sum(sys.getsizeof(k) for k in self._index)
-        lists = sys.getsizeof(self._row_unit) + sys.getsizeof(self._row_step)
         units = sum(sys.getsizeof(u) + sys.getsizeof(u.rows) for u in self._units.values())
         return BufferStats(
             pending_rows=self._live - ready_rows, ready_rows=ready_rows, ready_units=len(self._ready),
             rows_added=self._rows_added, rows_trained=self._rows_trained, dropped=dict(self._dropped),
             late_commits=self._late, backpressure_refusals=self._refusals,
-            resident_bytes=int(arrow + sum(a.nbytes for a in arrays) + index + lists + units),
+            resident_bytes=int(self._store.nbytes + sum(a.nbytes for a in arrays) + index + units),
         )
 
     # ----------------------------------------------------------------- units
@@ -376,24 +335,32 @@ class ReplayBuffer:
             unit.ready_at = now
             self._ready[unit.uid] = unit
 
-    def _remove_from_unit(self, row: int, reason: str, now: float) -> None:
-        """Drop one row and leave its unit to carry on without it."""
-        unit = self._row_unit[row - self._base]
-        self._detach(row)
-        self._kill(row, reason)
-        self._check(unit, now)
+    def _remove_rows(self, rows: np.ndarray, reason: str, now: float,
+                     empty_unit_reason: str = "incomplete") -> None:
+        """Drop live rows under `reason`; their units carry on without them, re-checked after.
 
-    def _detach(self, row: int) -> None:
-        """Take a live row out of its unit's counts (the unit keeps its `received`)."""
-        unit = self._row_unit[row - self._base]
-        if self._status[row - self._base] == _READY:
-            unit.rewarded -= 1
-        unit.rows.remove(row)
+        A unit left empty is closed under `empty_unit_reason`.
+        """
+        if len(rows) == 0:
+            return
+        slots = rows - self._base
+        units = {id(u): u for u in self._row_unit[slots]}
+        gone = set(rows.tolist())
+        ready = self._status[slots] == _READY
+        for unit, was_ready in zip(self._row_unit[slots], ready.tolist()):
+            unit.rewarded -= was_ready
+        for unit in units.values():
+            unit.rows = [r for r in unit.rows if r not in gone]
+        self._kill(rows, reason)  # every row goes under `reason` before any unit is re-checked
+        for unit in units.values():
+            if not unit.rows:
+                self._drop_unit(unit, empty_unit_reason)
+            else:
+                self._check(unit, now)
 
     def _drop_unit(self, unit: _Unit, reason: str) -> int:
-        rows = list(unit.rows)
-        for row in rows:
-            self._kill(row, reason)
+        rows = np.array(unit.rows, np.int64)
+        self._kill(rows, reason)
         self._close(unit, reason)
         self._dropped_units += 1
         return len(rows)
@@ -411,24 +378,26 @@ class ReplayBuffer:
     def _drop_stale(self, oldest_allowed: int, now: float) -> None:
         slots = self._end - self._base
         stale = self._alive[:slots] & (self._behavior_version[:slots] < oldest_allowed)
-        for row in (np.flatnonzero(stale) + self._base).tolist():
-            if not self._alive[row - self._base]:
-                continue  # its whole unit was dropped by an earlier stale row
-            self._remove_from_unit(row, "stale", now)
+        self._remove_rows(np.flatnonzero(stale) + self._base, "stale", now)
 
     # ----------------------------------------------------------------- rows and memory
-    def _kill(self, row: int, reason: str | None) -> None:
-        """Retire a live row: trained (reason None) or dropped under `reason`."""
-        slot = row - self._base
-        self._alive[slot] = False
+    def _kill(self, rows: np.ndarray, reason: str | None) -> None:
+        """Retire live rows: trained (reason None) or dropped under `reason`."""
+        if len(rows) == 0:
+            return
+        slots = rows - self._base
+        self._alive[slots] = False
         if reason is not None:
-            if self._status[slot] != _FAILED:
-                self._status[slot] = _DROPPED
-            self._dropped[reason] += 1
-        del self._index[self._row_step[slot]]
-        self._row_step[slot] = None
-        self._row_unit[slot] = None
-        self._live -= 1
+            status = self._status[slots]
+            self._status[slots] = np.where(status == _FAILED, _FAILED, _DROPPED)
+            self._dropped[reason] += len(rows)
+        pop = self._index.pop
+        for step_id in self._row_step[slots].tolist():
+            pop(step_id)
+        self._row_step[slots] = None
+        self._row_unit[slots] = None
+        self._live -= len(rows)
+        self._store.retire(rows)
 
     def _ensure_slots(self, n: int) -> None:
         """Room for n more rows: first drop the dead prefix, then grow by doubling."""
@@ -442,64 +411,19 @@ class ReplayBuffer:
             size *= 2
         # null rewards and timestamps are NaN, so fresh slots must start as NaN
         fills = {"_status": 0, "_alive": False, "_rewards": np.nan, "_rewarded_at": np.nan,
-                 "_behavior_version": 0}
+                 "_behavior_version": 0, "_row_unit": None, "_row_step": None}
         for name, fill in fills.items():
             old = getattr(self, name)
             new = np.full((size,) + old.shape[1:], fill, old.dtype)
             new[: used - shift] = old[shift:used]
             setattr(self, name, new)
-        del self._row_unit[:shift], self._row_step[:shift]
         self._base += shift
 
-    def _materialize(self) -> None:
-        """Convert staged records into one Arrow chunk (one conversion per many arrivals)."""
-        if not self._staged:
-            return
-        table = records_to_table(self._staged).select(_STORED_SCHEMA.names)
-        start, stop = self._end - len(self._staged), self._end  # staged rows are the newest
-        bv = table.column("behavior_version").to_numpy()
-        self._behavior_version[start - self._base: stop - self._base] = bv
-        batch = table.combine_chunks().to_batches()[0]
-        self._chunks.append(_Chunk(start, stop, batch))
-        self._staged = []
-
-    def _reclaim(self) -> None:
-        """Free chunks whose rows are all gone; rewrite chunks that are mostly gone."""
-        kept = []
-        for chunk in self._chunks:
-            lo, hi = chunk.start - self._base, chunk.stop - self._base
-            alive = np.flatnonzero(self._alive[max(lo, 0):hi]) + max(lo, 0) + self._base
-            if len(alive) == 0:
-                continue
-            held = chunk.batch.num_rows
-            if held - len(alive) > _REWRITE_DEAD_FRACTION * held:
-                chunk.batch = chunk.batch.take(pa.array(self._locals(chunk, alive)))
-                chunk.row_ids = alive
-            kept.append(chunk)
-        self._chunks = kept
-
-    def _locals(self, chunk: _Chunk, rows: np.ndarray) -> np.ndarray:
-        return rows - chunk.start if chunk.row_ids is None else np.searchsorted(chunk.row_ids, rows)
-
     def _assemble(self, rows: np.ndarray) -> pa.Table:
-        """STEP_SCHEMA table of `rows` in the given order, one chunk.
-
-        Rows arrive in runs of consecutive ids (a unit's candidates are sent together), so each
-        run becomes a zero-copy slice and a single concatenate makes the result contiguous.
-        """
-        starts = np.fromiter((c.start for c in self._chunks), np.int64, count=len(self._chunks))
-        which = np.searchsorted(starts, rows, side="right") - 1
-        local = np.empty_like(rows)
-        for k in np.unique(which).tolist():
-            mask = which == k
-            local[mask] = self._locals(self._chunks[k], rows[mask])
-        breaks = np.flatnonzero((np.diff(which) != 0) | (np.diff(local) != 1)) + 1
-        bounds = np.concatenate(([0], breaks, [len(rows)])).tolist()
-        pieces = [self._chunks[which[a]].batch.slice(int(local[a]), b - a)
-                  for a, b in zip(bounds[:-1], bounds[1:])]
-        stored = pa.Table.from_batches(pieces, schema=_STORED_SCHEMA).combine_chunks()
+        """STEP_SCHEMA table of `rows` in the given order, one chunk, one copy of the tokens."""
+        stored = self._store.take(rows)
         slots = rows - self._base
-        columns = {name: stored.column(name) for name in _STORED_SCHEMA.names}
+        columns = dict(zip(_STORED_NAMES, stored.columns))
         rewards = self._rewards[slots]
         for k, name in enumerate(REWARD_COLUMNS):
             columns[name] = pa.array(rewards[:, k], pa.float32(), mask=np.isnan(rewards[:, k]))
@@ -507,15 +431,6 @@ class ReplayBuffer:
         micros = (self._rewarded_at[slots] * 1e6).astype(np.int64)
         columns["rewarded_at"] = pa.array(micros, pa.timestamp("us"))
         return pa.Table.from_arrays([columns[f.name] for f in STEP_SCHEMA], schema=STEP_SCHEMA)
-
-    def _rows_of_episode(self, episode_id: str) -> list[int]:
-        """Live row ids of an episode, found with a vectorized scan of the episode_id column."""
-        found = []
-        for chunk in self._chunks:
-            hits = np.flatnonzero(pc.equal(chunk.batch.column("episode_id"), episode_id).to_numpy(zero_copy_only=False))
-            rows = hits + chunk.start if chunk.row_ids is None else chunk.row_ids[hits]
-            found.extend(r for r in rows.tolist() if r >= self._base and self._alive[r - self._base])
-        return found
 
 
 def _check_reason(reason: str) -> None:

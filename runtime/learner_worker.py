@@ -40,6 +40,9 @@ class LearnerWorker:
         self.pad_id = pad_id
         self.weights_dir = Path(run_dir) / "weights" / model_id
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # the per-step progress line says what matters
         self.learner = build_learner(cfg, model_id, model_path, str(self.weights_dir))
         self.max_staleness = cfg.max_staleness
         self.version = 0

@@ -67,6 +67,7 @@ class RolloutHost:
         from transformers import AutoTokenizer
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
         routes = {
             model_id: ModelRoute(model_id, [EngineClient(url) for url in urls],
                                  AutoTokenizer.from_pretrained(model_paths[model_id]))

@@ -34,6 +34,19 @@ _DEVICES = ("cpu", "cuda")
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
 _LOG_TAIL_CHARS = 4000
 
+# Linux: the server gets SIGKILL when the thread that launched it dies, even by SIGKILL (a
+# Ray actor killed by its node), so no server outlives its engine. Set in a small launcher
+# that then execs the server (the setting survives exec), which avoids an unsafe preexec_fn
+# in a threaded actor. argv[1] is the launcher's expected parent pid: if that parent died
+# before prctl ran, the launcher exits instead of serving an orphan.
+_LAUNCHER = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('launcher: parent died before the server started')\n"
+    "os.execv(sys.executable, [sys.executable, '-m', 'sglang.launch_server', *sys.argv[2:]])\n"
+)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -60,7 +73,7 @@ class EngineConfig:
         if self.max_total_tokens < 64:
             raise ValueError(
                 f"EngineConfig.max_total_tokens={self.max_total_tokens} cannot hold a request; "
-                "use at least a few thousand"
+                "use at least the longest prompt + response (thousands in practice)"
             )
         if self.context_length is not None and self.context_length > self.max_total_tokens:
             raise ValueError(
@@ -183,11 +196,16 @@ class SGLangEngine:
             raise RuntimeError(f"engine {self.model_id} already running at {self.url}")
         if self._port is None:
             self._port = _free_port()
-        cmd = self._command()
+        args = self._server_args()
+        shown = "python -m sglang.launch_server " + " ".join(args)
+        if sys.platform == "linux":
+            cmd = [sys.executable, "-c", _LAUNCHER, str(os.getpid()), *args]
+        else:
+            cmd = [sys.executable, "-m", "sglang.launch_server", *args]
         env = dict(os.environ, HF_HUB_OFFLINE="1")  # models are local; never reach a hub
-        log.info("starting %s: %s (log %s)", self.model_id, " ".join(cmd), self.log_path)
+        log.info("starting %s: %s (log %s)", self.model_id, shown, self.log_path)
         with open(self.log_path, "ab") as log_file:
-            log_file.write(f"\n==== start {time.strftime('%F %T')} {' '.join(cmd)}\n".encode())
+            log_file.write(f"\n==== start {time.strftime('%F %T')} {shown}\n".encode())
             log_file.flush()
             self._proc = subprocess.Popen(
                 cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
@@ -282,11 +300,10 @@ class SGLangEngine:
 
     # ------------------------------------------------------------------ internals
 
-    def _command(self) -> list[str]:
-        """The launch_server command line for the current weights, version and port."""
+    def _server_args(self) -> list[str]:
+        """launch_server arguments for the current weights, version and port."""
         cfg = self.cfg
         cmd = [
-            sys.executable, "-m", "sglang.launch_server",
             "--model-path", str(self.weights_path),
             "--tokenizer-path", str(self.model_path),
             "--host", "127.0.0.1", "--port", str(self._port),

@@ -191,3 +191,28 @@ def test_client_gives_up_on_a_dead_port_after_bounded_retries(tiny_engine: SGLan
         finally:
             await client.aclose()
     assert asyncio.run(probe())
+
+
+@pytest.mark.slow
+def test_smollm2_conversion_answers_arithmetic():
+    """The converted 135M folder loads in transformers and answers greedily (~1 min).
+
+    Checked with transformers, not a second server: the session's tiny server is running and
+    two servers do not fit a small CPU machine.
+    """
+    from runtime.models import provision_smollm2
+
+    path = provision_smollm2()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert model.config.vocab_size == 49152 and model.config.num_hidden_layers == 30
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 17+25?"}],
+                                         tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=24, do_sample=False)
+    answer = tokenizer.decode(out[0, prompt.shape[1]:], skip_special_tokens=True)
+    print(f"\nSmolLM2-135M greedy answer to 'What is 17+25?': {answer!r}")
+    assert any(ch.isdigit() for ch in answer)  # an arithmetic answer, right or wrong
+    # The turn ends with <|im_end|> before the cap: the saved eos ids are the right ones.
+    assert tokenizer.eos_token_id in out[0, prompt.shape[1]:].tolist()

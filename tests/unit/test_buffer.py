@@ -1,11 +1,14 @@
 """ReplayBuffer readiness, ordering, drops and accounting (DESIGN §4-§5)."""
+import pickle
 import time
 
 import numpy as np
 import pytest
 
 from buffers.replay import BufferConfig, ReplayBuffer
-from buffers.schema import DROP_REASONS, RewardCommit, Status, StepRecord, group_key, new_id
+from buffers.schema import (
+    DROP_REASONS, RewardCommit, Status, StepBatch, StepRecord, group_key, new_id, records_to_table,
+)
 
 
 def _rows(group="g0", size=4, version=0, episode=None, reward=None, created_at=None, n=None, turn=0):
@@ -222,3 +225,77 @@ def test_many_rounds_reclaim_memory_and_keep_accounting():
     s = _invariant(buf)
     assert s.rows_trained == trained and s.rows_added == 240
     assert s.resident_bytes < 80_000  # dead rows were released, not kept around
+
+
+def test_table_ingest_keeps_producer_buffers():
+    """A producer's Arrow rows become a chunk without copying a token buffer."""
+    buf = ReplayBuffer("m", BufferConfig())
+    rows = _rows("g", 4)
+    table = records_to_table(rows)
+    assert buf.try_add(table)
+    chunk = next(iter(buf._store._chunks.values()))
+    for name in ("prompt_ids", "response_ids", "behavior_logprobs", "token_versions"):
+        sent, kept = table.column(name).chunk(0), chunk.batch.column(name)
+        assert kept.values.buffers()[1].address == sent.values.buffers()[1].address
+    _reward(buf, rows)
+    batch = buf.sample(1, 0, 0)
+    assert [r["step_id"] for r in batch.table.to_pylist()] == [r.step_id for r in rows]
+    assert batch.table.column("prompt_ids").num_chunks == 1
+    _invariant(buf)
+
+
+def test_step_batch_pickles_as_arrow_and_is_read_in_place():
+    rows = _rows("g", 4, reward=0.5)
+    received = pickle.loads(pickle.dumps(StepBatch(records_to_table(rows)), protocol=5))
+    assert received.table.equals(records_to_table(rows)) and received.wire_nbytes > 0
+    buf = ReplayBuffer("m", BufferConfig())
+    assert buf.try_add(received)
+    assert buf.sample(1, 0, 0).table.num_rows == 4  # rewards set on arrival: READY at once
+    s = _invariant(buf)
+    assert s.rows_trained == 4 and s.pending_rows == 0
+    empty = buf.sample(0, 0, 0)  # a ReadyBatch of no units still crosses to a learner
+    assert pickle.loads(pickle.dumps(empty, protocol=5)).table.num_rows == 0
+
+
+def test_table_validation_is_all_or_nothing():
+    buf = ReplayBuffer("m", BufferConfig())
+    good = _rows("a", 4)
+    other = [StepRecord(**{**r.__dict__, "model_id": "other"}) for r in _rows("b", 2)]
+    with pytest.raises(ValueError, match="model 'other'"):
+        buf.try_add(records_to_table(good[:2] + other))
+    with pytest.raises(ValueError, match="same step_id twice"):
+        buf.try_add(records_to_table([good[0], good[0]]))
+    mixed = _rows("c", 4)
+    mixed[1] = StepRecord(**{**mixed[1].__dict__, "group_size": 3})
+    with pytest.raises(ValueError, match="group_size 3 differs"):
+        buf.try_add(records_to_table(mixed))
+    with pytest.raises(ValueError, match="expects 4 rows and got more"):
+        buf.try_add(records_to_table(good + _rows("a", 4, n=1)))
+    with pytest.raises(ValueError, match="STEP_SCHEMA"):
+        buf.try_add(records_to_table(good).drop_columns(["meta"]))
+    s = _invariant(buf)
+    assert s.rows_added == 0 and s.pending_rows == 0  # nothing moved
+    assert buf.try_add(records_to_table(good[:2]))
+    with pytest.raises(ValueError, match="already added"):
+        buf.try_add(records_to_table(good[1:3]))
+    with pytest.raises(ValueError, match="group_size 2 differs from its group's 4"):
+        buf.try_add(records_to_table(_rows("a", 2, n=1)))
+    assert _invariant(buf).rows_added == 2
+
+
+def test_coalescing_small_batches_keeps_rows_and_accounting():
+    buf = ReplayBuffer("m", BufferConfig(capacity_rows=256, coalesce_after=4))
+    groups = [_rows(f"g{k}", 2) for k in range(12)]
+    for rows in groups:
+        assert buf.try_add(records_to_table(rows))
+    for rows in groups[::2]:
+        _reward(buf, rows)
+    first = buf.sample(6, 0, 0)  # compaction runs after a sample
+    assert buf._store.num_chunks < 12
+    for rows in groups[1::2]:
+        _reward(buf, rows)
+    second = buf.sample(6, 0, 0)
+    got = [r["step_id"] for b in (first, second) for r in b.table.to_pylist()]
+    assert got == [r.step_id for rows in groups[::2] + groups[1::2] for r in rows]
+    s = _invariant(buf)
+    assert s.rows_trained == 24 and s.pending_rows == s.ready_rows == 0
