@@ -77,10 +77,13 @@ class ModelRoute:
     def next_client(self) -> Generator:
         return next(self._clients)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        # Render then encode once: the exact ids sent to the engine are the ones stored.
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  tokenize=False)
+    def encode(self, messages: list[dict[str, str]] | str) -> list[int]:
+        """Chat messages through the model's template, or a raw completion prompt as is."""
+        if isinstance(messages, str):
+            text = messages
+        else:  # render then encode once: the exact ids sent to the engine are the ones stored
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      tokenize=False)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, ids: np.ndarray) -> str:
@@ -120,18 +123,20 @@ class Episode:
         self._coach: list[CoachRequest] = []
         self.generated_tokens = 0
 
-    async def act(self, agent: str, messages: list[dict[str, str]], *, turn: int, n: int = 1,
+    async def act(self, agent: str, messages: list[dict[str, str]] | str, *, turn: int,
+                  n: int = 1,
                   max_new_tokens: int, parent_branch: str = "",
                   meta: dict[str, Any] | None = None) -> list[Action]:
         """Generate n candidates for `agent` and record one row per candidate.
 
+        `messages` is a chat (rendered with the model's template) or a raw completion prompt.
         Returns the candidates in order; `Action.candidate` is the row's index in its group.
         """
         if agent not in self.agent_models:
             raise KeyError(f"agent {agent!r} has no model; known agents: {sorted(self.agent_models)}")
         model_id = self.agent_models[agent]
         route = self.routes[model_id]
-        prompt_ids = route.encode_chat(messages)
+        prompt_ids = route.encode(messages)
         generations = await route.next_client().generate(
             prompt_ids, n=n, max_new_tokens=max_new_tokens,
             temperature=self.sampling.temperature, top_p=self.sampling.top_p)

@@ -19,6 +19,7 @@ from typing import Protocol
 
 from actors.episode import CoachRequest, Episode, ModelRoute, SamplingParams
 from actors.workflows import WorkflowConfig, build_workflow
+from actors.workflows.base import units_per_round
 from buffers.schema import StepRecord, new_id
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class RolloutPorts(Protocol):
     """How a rollout actor reaches the rest of the system (runtime provides it)."""
 
     async def admit(self, units: dict[str, int]) -> bool: ...
+    async def shipped(self, units: dict[str, int]) -> None: ...
     async def release(self, units: dict[str, int]) -> None: ...
     async def add_rows(self, model_id: str, records: list[StepRecord]) -> bool: ...
     async def seal_episode(self, model_id: str, episode_id: str, num_rows: int) -> None: ...
@@ -107,7 +109,8 @@ class RolloutActor:
         return self.stats()
 
     async def _slot(self) -> None:
-        units = self.workflow.units_per_round(self.agent_models, self.workflow_cfg.group_size)
+        units = units_per_round(self.workflow, self.agent_models, self.workflow_cfg.group_size,
+                                self.readiness)
         while not self._stopping:
             index = next(self._task_index)
             task = self.workflow.make_task(self._rng, index)
@@ -150,6 +153,7 @@ class RolloutActor:
             return
         self._consecutive_failures = 0
         await self._ship(episodes)
+        await self.ports.shipped(units)
         self.rounds += 1
         self.episodes += len(episodes)
         self._report(results)

@@ -36,16 +36,20 @@ class VersionClock:
             models: model_id -> (batch_units, max_staleness).
         """
         self._models: dict[str, ModelClock] = {}
+        self._in_flight: dict[str, dict[str, int]] = {}  # owner -> model_id -> units
         for model_id, (batch_units, max_staleness) in models.items():
             if batch_units < 1:
                 raise ValueError(f"model {model_id!r}: batch_units={batch_units} must be >= 1")
             _check_eta(model_id, max_staleness)
             self._models[model_id] = ModelClock(batch_units, max_staleness)
 
-    def try_admit(self, units: dict[str, int]) -> bool:
+    def try_admit(self, units: dict[str, int], owner: str | None = None) -> bool:
         """Admit an episode/round that will produce `units[m]` units for each model m.
 
         All models are checked before any counter moves, so a refusal changes nothing.
+        `owner` (a rollout actor) holds the units as in flight until it calls `shipped`; if
+        the owner dies first, `release_owner` gives them back, so a crashed actor's rounds
+        cannot eat the admission budget forever.
         """
         clocks = [(self._get(m), n) for m, n in units.items()]
         for model_id, n in units.items():
@@ -55,7 +59,34 @@ class VersionClock:
             return False
         for clock, n in clocks:
             clock.issued_units += n
+        if owner is not None:
+            held = self._in_flight.setdefault(owner, {})
+            for model_id, n in units.items():
+                held[model_id] = held.get(model_id, 0) + n
         return True
+
+    def shipped(self, units: dict[str, int], owner: str) -> None:
+        """The owner's round reached the buffers (or was released): no longer in flight."""
+        held = self._in_flight.get(owner, {})
+        for model_id, n in units.items():
+            if held.get(model_id, 0) < n:
+                raise ValueError(f"owner {owner!r} ships {n} units of {model_id!r} but holds "
+                                 f"{held.get(model_id, 0)}")
+            held[model_id] -= n
+
+    def abandon(self, units: dict[str, int], owner: str) -> None:
+        """The owner's round was lost before reaching the buffers: free its budget."""
+        self.shipped(units, owner)
+        for model_id, n in units.items():
+            self.release(model_id, n)
+
+    def release_owner(self, owner: str) -> dict[str, int]:
+        """Give back every unit a dead owner still held in flight; returns what was freed."""
+        held = self._in_flight.pop(owner, {})
+        for model_id, n in held.items():
+            if n:
+                self.release(model_id, n)
+        return {m: n for m, n in held.items() if n}
 
     def set_version(self, model_id: str, version: int) -> None:
         """Record that the learner of `model_id` now serves `version`."""

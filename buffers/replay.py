@@ -15,7 +15,6 @@ A plain class: `runtime/` wraps it as an actor; unit tests build it directly.
 from __future__ import annotations
 
 import heapq
-import math
 import sys
 import time
 from collections import Counter, OrderedDict
@@ -23,20 +22,19 @@ from itertools import chain
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from buffers.schema import (
-    DROP_REASONS, REWARD_COLUMNS, STEP_SCHEMA, RewardCommit, Status, StepBatch, StepRecord,
+    DROP_REASONS, REWARD_COLUMNS, STEP_SCHEMA, RewardColumns, RewardCommit, Status, StepBatch,
+    StepRecord,
 )
 from buffers.api import BufferConfig, BufferStats, ReadyBatch  # noqa: F401 (public here too)
-from buffers.ingest import Arrival, as_table, other_values
+from buffers.ingest import (
+    FIXED_COLUMNS, LABEL_COLUMNS, STORED_POSITIONS, STORED_SCHEMA, Arrival, as_wire, read_arrival,
+)
 from buffers.store import ChunkStore, StoreConfig
 
-# Columns that change after arrival; the chunks store every other column of STEP_SCHEMA.
-_MUTABLE_COLUMNS = (*REWARD_COLUMNS, "status", "rewarded_at")
-_STORED_SCHEMA = pa.schema([f for f in STEP_SCHEMA if f.name not in _MUTABLE_COLUMNS])
 _PENDING, _READY, _FAILED, _DROPPED = (int(s) for s in Status)  # plain ints: enum lookups are slow in hot loops
-_STORED_NAMES = _STORED_SCHEMA.names
+_FIXED_TYPES = {name: STEP_SCHEMA.field(name).type for name in FIXED_COLUMNS}
 
 
 class _Unit:
@@ -72,8 +70,12 @@ class ReplayBuffer:
         self._behavior_version = np.zeros(slots, np.int32)
         self._row_unit = np.full(slots, None, object)  # slot -> _Unit
         self._row_step = np.full(slots, None, object)  # slot -> step_id
+        # immutable columns held per slot (see buffers/ingest.py); labels as codes into _labels
+        self._fixed = {name: np.zeros(slots, dtype) for name, dtype in FIXED_COLUMNS.items()}
+        self._fixed.update({name: np.zeros(slots, np.int32) for name in LABEL_COLUMNS})
+        self._labels = {name: {None: -1} for name in LABEL_COLUMNS}  # value -> code; few values each
         self._index: dict[str, int] = {}  # step_id -> row id, live rows only
-        self._store = ChunkStore(_STORED_SCHEMA, StoreConfig(coalesce_after=cfg.coalesce_after))
+        self._store = ChunkStore(STORED_SCHEMA, StoreConfig(coalesce_after=cfg.coalesce_after))
         self._units: dict = {}
         self._ready: OrderedDict = OrderedDict()  # complete units in the order they became ready
         self._deadlines: list = []  # heap of (first_at, seq, unit) for timeouts
@@ -96,136 +98,137 @@ class ReplayBuffer:
         repeated step_id, a group_size that differs within a group, more rows than the unit
         expects, a batch larger than the whole capacity).
         """
-        table, wire_nbytes = as_table(rows)
-        n = table.num_rows
+        batch, wire_nbytes = as_wire(rows)
+        n = batch.num_rows
         if n == 0:
             return True
         if n > self.cfg.capacity_rows:
             raise ValueError(f"{n} rows in one try_add exceed capacity_rows={self.cfg.capacity_rows}; raise capacity_rows")
-        arrival = self._validate(table)  # everything is checked before anything moves
+        arrival = read_arrival(batch, self.model_id, self._group_mode)
+        self._validate(arrival)  # everything is checked before anything moves
         if self._live + n > self.cfg.capacity_rows:  # refused only after validation
             self._refusals += 1
             return False
-        self._insert(table, arrival, wire_nbytes)
+        self._insert(batch.select(STORED_POSITIONS), arrival, wire_nbytes)
         return True
 
-    def _validate(self, table: pa.Table) -> Arrival:
-        """Vectorised checks of one arrival; returns its per-row and per-unit arrays."""
-        n = table.num_rows
-        others = other_values(table.column("model_id"), self.model_id)
-        if others:
-            raise ValueError(f"rows for model {others[0]!r} sent to the buffer of {self.model_id!r}")
-        step_ids = table.column("step_id").to_numpy()  # object array of str
-        if len(set(step_ids.tolist())) != n:
-            raise ValueError("try_add got the same step_id twice in one call")
-        if not self._index.keys().isdisjoint(step_ids.tolist()):
-            repeated = next(s for s in step_ids.tolist() if s in self._index)
+    def _validate(self, a: Arrival) -> None:
+        """The checks of an arrival against what the buffer holds (ids, units)."""
+        if not self._index.keys().isdisjoint(a.step_ids):
+            repeated = next(s for s in a.step_ids if s in self._index)
             raise ValueError(f"row {repeated} was already added")
-        uid_column = table.column("group_key" if self._group_mode else "episode_id")
-        if uid_column.num_chunks == 1:  # the usual message: one record batch
-            encoded = uid_column.chunk(0).dictionary_encode()
-            codes, uids = encoded.indices.to_numpy(), encoded.dictionary.to_pylist()
-        else:
-            unique = pc.unique(uid_column)
-            codes, uids = pc.index_in(uid_column, value_set=unique).to_numpy(), unique.to_pylist()
-        # dictionary codes number units by first appearance, so a unit's first row is found
-        # by one reversed scatter and its row count by one bincount
-        first = np.empty(len(uids), np.int64)
-        first[codes[::-1]] = np.arange(n - 1, -1, -1)
-        counts = np.bincount(codes, minlength=len(uids))
-        group_size = table.column("group_size").to_numpy()
-        if self._group_mode and (group_size != group_size[first][codes]).any():
-            row = int(np.flatnonzero(group_size != group_size[first][codes])[0])
-            raise ValueError(f"row {step_ids[row]}: group_size {group_size[row]} differs from its group's")
-        for u, uid in enumerate(uids):
+        for uid, members in a.units.items():
             unit = self._units.get(uid)
-            if self._group_mode and unit is not None and unit.expected != group_size[first[u]]:
-                raise ValueError(f"row {step_ids[first[u]]}: group_size {group_size[first[u]]} "
-                                 f"differs from its group's {unit.expected}")
+            first = a.step_ids[members[0]]
+            if self._group_mode and unit is not None and unit.expected != a.unit_size[uid]:
+                raise ValueError(f"row {first}: group_size {a.unit_size[uid]} differs from its group's {unit.expected}")
             if self._closed.get(uid, "") is None:
-                raise ValueError(f"row {step_ids[first[u]]} arrived for a unit that was already trained")
-            expected = group_size[first[u]] if self._group_mode else (unit.expected if unit else None)
-            if expected is not None and (unit.received if unit else 0) + counts[u] > expected:
-                raise ValueError(f"row {step_ids[first[u]]}: its unit {uid!r} expects {expected} rows and got more")
-        rewards = np.stack([table.column(name).to_numpy() for name in REWARD_COLUMNS], axis=1)
-        if not np.isfinite(rewards[~np.isnan(rewards)]).all():
-            raise ValueError("rewards must be finite or null")
-        created_at = table.column("created_at").to_numpy().view(np.int64) / 1e6
-        return Arrival(step_ids, codes, uids, first, counts, group_size, rewards, created_at)
+                raise ValueError(f"row {first} arrived for a unit that was already trained")
+            expected = a.unit_size[uid] if self._group_mode else (unit.expected if unit else None)
+            if expected is not None and (unit.received if unit else 0) + len(members) > expected:
+                raise ValueError(f"row {first}: its unit {uid!r} expects {expected} rows and got more")
 
-    def _insert(self, table: pa.Table, a: Arrival, wire_nbytes: int) -> None:
-        n, start = table.num_rows, self._end
+    def _insert(self, stored: pa.RecordBatch, a: Arrival, wire_nbytes: int) -> None:
+        n, start = len(a.step_ids), self._end
         self._ensure_slots(n)
         lo, hi = start - self._base, start - self._base + n
-        rows = np.arange(start, start + n, dtype=np.int64)
-        rewarded = ~np.isnan(a.rewards[:, -1])
+        # fresh slots already read PENDING / NaN / not alive: write only what differs
         self._alive[lo:hi] = True
-        self._status[lo:hi] = np.where(rewarded, _READY, _PENDING)
-        self._rewards[lo:hi] = a.rewards
-        self._rewarded_at[lo:hi] = np.where(rewarded, a.created_at, np.nan)
-        self._behavior_version[lo:hi] = table.column("behavior_version").to_numpy()
+        rewarded = None
+        if a.rewards is not None:
+            rewarded = ~np.isnan(a.rewards[:, -1])
+            self._rewards[lo:hi] = a.rewards
+            self._status[lo:hi] = np.where(rewarded, _READY, _PENDING)
+            self._rewarded_at[lo:hi] = np.where(rewarded, a.created_at, np.nan)
+            rewarded = rewarded.tolist()
+        self._behavior_version[lo:hi] = a.behavior_version
         self._row_step[lo:hi] = a.step_ids
-        self._index.update(zip(a.step_ids.tolist(), range(start, start + n)))
-        stored = table.select(_STORED_NAMES)
-        offset = start
-        for batch in stored.to_batches():
-            self._store.append(batch, offset, wire_nbytes if stored.num_rows == batch.num_rows else None)
-            offset += batch.num_rows
+        for name, values in a.fixed.items():
+            self._fixed[name][lo:hi] = values
+        for name, values in a.labels.items():
+            codes = self._labels[name]
+            for value in set(values).difference(codes):
+                codes[value] = len(codes) - 1  # -1 is taken by None (null)
+            self._fixed[name][lo:hi] = [codes[v] for v in values]
+        self._index.update(zip(a.step_ids, range(start, start + n)))
+        self._store.append(stored, start, wire_nbytes)
         self._end += n
         self._live += n
         self._rows_added += n
-        # per unit (a handful per arrival), not per row
-        unit_rows = np.split(rows[np.argsort(a.codes, kind="stable")], np.cumsum(a.counts)[:-1])
-        rewarded_per_unit = np.bincount(a.codes, weights=rewarded, minlength=len(a.uids)).astype(int)
-        units = np.empty(len(a.uids), object)
+        # per unit (a handful per arrival), then per row only to point it at its unit
+        row_unit = [None] * n
         late, touched = [], []
-        for u, uid in enumerate(a.uids):
+        for uid, members in a.units.items():
+            rows = [start + i for i in members]
             if uid in self._closed:  # its unit was dropped: the rows follow it at once
-                late.append((unit_rows[u], self._closed[uid]))
+                late.append((rows, self._closed[uid]))
                 continue
             unit = self._units.get(uid)
             if unit is None:
-                expected = int(a.group_size[a.first[u]]) if self._group_mode else None
-                unit = self._new_unit(uid, expected, float(a.created_at[a.first[u]]))
-            unit.received += int(a.counts[u])
-            unit.rows.extend(unit_rows[u].tolist())
-            unit.rewarded += int(rewarded_per_unit[u])
-            units[u] = unit
+                expected = a.unit_size[uid] if self._group_mode else None
+                unit = self._new_unit(uid, expected, float(a.created_at[members[0]]))
+            unit.received += len(members)
+            unit.rows += rows
+            if rewarded is not None:
+                unit.rewarded += sum(rewarded[i] for i in members)
+            for i in members:
+                row_unit[i] = unit
             touched.append(unit)
-        self._row_unit[lo:hi] = units[a.codes]
-        for unit_rows_late, reason in late:
-            self._kill(unit_rows_late, reason)
+        self._row_unit[lo:hi] = row_unit
+        for rows, reason in late:
+            self._kill(np.array(rows, np.int64), reason)
         now = time.time()
         for unit in touched:
             self._check(unit, now)
 
-    def commit_rewards(self, commits: list[RewardCommit]) -> None:
-        """Apply reward components by step_id; unknown ids count as late commits."""
-        now, index, rewards, status = time.time(), self._index, self._rewards, self._status
-        for c in commits:
-            values = (c.reward_local, c.reward_team, c.coach_score, c.outcome, c.reward)
-            if any(v is not None and not math.isfinite(v) for v in values):
-                raise ValueError(f"commit for {c.step_id}: rewards must be finite, got {values}")
-        for c in commits:
-            row = index.get(c.step_id)
-            if row is None:
-                self._late += 1
-                continue
-            slot = row - self._base
-            if c.failed_reason is not None:
-                status[slot] = _FAILED
-                self._remove_rows(np.array([row]), "failed", now)
-                continue
-            current = rewards[slot]
-            for k, v in enumerate((c.reward_local, c.reward_team, c.coach_score, c.outcome, c.reward)):
-                if v is not None:
-                    current[k] = v
-            if c.reward is not None and status[slot] == _PENDING:
-                status[slot] = _READY
-                self._rewarded_at[slot] = now
-                unit = self._row_unit[slot]
+    def commit_rewards(self, commits: list[RewardCommit] | RewardColumns) -> None:
+        """Apply reward components by step_id; unknown ids count as late commits.
+
+        `commits` is a list of `RewardCommit` or the same as one `RewardColumns` message
+        (cheaper to send and to apply). Commits naming one step_id twice apply in order.
+        """
+        columns = commits if isinstance(commits, RewardColumns) else RewardColumns.from_commits(commits)
+        if len(set(columns.step_ids)) == len(columns.step_ids):
+            self._apply(columns)
+        else:  # a repeated id: later entries must see earlier ones, so one at a time
+            for i in range(len(columns.step_ids)):
+                self._apply(columns.take([i]))
+
+    def _apply(self, c: RewardColumns) -> None:
+        """Apply commits whose step_ids are distinct (so their order does not matter)."""
+        now, status = time.time(), self._status
+        found = list(map(self._index.get, c.step_ids))
+        known = [i for i, row in enumerate(found) if row is not None]
+        self._late += len(found) - len(known)
+        if not known:
+            return
+        if len(known) < len(found):
+            c = c.take(known)
+            found = [found[i] for i in known]
+        rows = np.array(found, np.int64)
+        slots = rows - self._base
+        failed = None if c.failed_reason is None else \
+            np.fromiter((f is not None for f in c.failed_reason), bool, len(rows))
+        for k, name in enumerate(REWARD_COLUMNS):
+            values = getattr(c, name)
+            if values is not None:
+                given = ~np.isnan(values) if failed is None else ~np.isnan(values) & ~failed
+                self._rewards[slots[given], k] = values[given]
+        if c.reward is not None:
+            done = ~np.isnan(c.reward) & (status[slots] == _PENDING)
+            if failed is not None:
+                done &= ~failed
+            done_slots = slots[done]
+            status[done_slots] = _READY
+            self._rewarded_at[done_slots] = now
+            # in commit order, so units become ready in the order their last row was rewarded
+            for unit in self._row_unit[done_slots].tolist():
                 unit.rewarded += 1
-                self._check(unit, now)
+                if unit.rewarded == len(unit.rows):
+                    self._check(unit, now)
+        if failed is not None and failed.any():
+            status[slots[failed]] = _FAILED
+            self._remove_rows(rows[failed], "failed", now)
 
     def seal_episode(self, episode_id: str, num_rows: int) -> None:
         """Episode readiness: this buffer will receive `num_rows` rows of the episode in total."""
@@ -307,7 +310,7 @@ class ReplayBuffer:
         live = self._alive[:slots]
         ready_rows = int(np.count_nonzero(live & (self._status[:slots] == _READY)))
         arrays = (self._status, self._alive, self._rewards, self._rewarded_at, self._behavior_version,
-                  self._row_unit, self._row_step)
+                  self._row_unit, self._row_step, *self._fixed.values())
         index = sys.getsizeof(self._index) + sum(sys.getsizeof(k) for k in self._index)
         units = sum(sys.getsizeof(u) + sys.getsizeof(u.rows) for u in self._units.values())
         return BufferStats(
@@ -417,13 +420,27 @@ class ReplayBuffer:
             new = np.full((size,) + old.shape[1:], fill, old.dtype)
             new[: used - shift] = old[shift:used]
             setattr(self, name, new)
+        for name, old in self._fixed.items():
+            self._fixed[name] = new = np.zeros(size, old.dtype)
+            new[: used - shift] = old[shift:used]
         self._base += shift
 
     def _assemble(self, rows: np.ndarray) -> pa.Table:
         """STEP_SCHEMA table of `rows` in the given order, one chunk, one copy of the tokens."""
         stored = self._store.take(rows)
         slots = rows - self._base
-        columns = dict(zip(_STORED_NAMES, stored.columns))
+        columns = dict(zip(STORED_SCHEMA.names, stored.columns))
+        fixed = {name: values[slots] for name, values in self._fixed.items()}
+        for name, pa_type in _FIXED_TYPES.items():
+            columns[name] = pa.array(fixed[name], pa_type) if name != "group_key" else \
+                pa.FixedSizeBinaryArray.from_buffers(pa_type, len(rows), [None, pa.py_buffer(fixed[name])])
+        for name in LABEL_COLUMNS:  # one dictionary per column: nothing to merge
+            codes = fixed[name]
+            columns[name] = pa.DictionaryArray.from_arrays(
+                pa.array(codes, mask=codes < 0), pa.array(list(self._labels[name])[1:], pa.string()))
+        columns["model_id"] = pa.DictionaryArray.from_arrays(np.zeros(len(rows), np.int32), [self.model_id])
+        columns["step_id"] = pa.array(self._row_step[slots], pa.string())
+        columns["behavior_version"] = pa.array(self._behavior_version[slots])
         rewards = self._rewards[slots]
         for k, name in enumerate(REWARD_COLUMNS):
             columns[name] = pa.array(rewards[:, k], pa.float32(), mask=np.isnan(rewards[:, k]))

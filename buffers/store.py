@@ -55,24 +55,29 @@ class ChunkStore:
         self._chunk_of = np.full(256, -1, np.int64)  # slot -> chunk id; -1 = retired / unknown
         self._position = np.zeros(256, np.int32)  # slot -> position inside its chunk
         self._small: list[int] = []  # ids of small chunks not yet coalesced, oldest first
+        self._sparse: set[int] = set()  # ids of big chunks mostly retired: rewritten by compact()
+        self._positions = np.arange(256, dtype=np.int32)  # 0..255, the positions of a new chunk
 
     # ----------------------------------------------------------------- rows in
-    def append(self, batch: pa.RecordBatch, first_row: int, nbytes: int | None = None) -> None:
+    def append(self, batch: pa.RecordBatch, first_row: int, nbytes: int = 0) -> None:
         """Keep `batch` (no copy) as rows first_row .. first_row + num_rows - 1.
 
-        `nbytes` is what the batch keeps alive when that exceeds its buffers (a received Arrow
-        message whose buffers are slices of one allocation); default: the batch's buffers.
+        `batch` must be in the store's schema (the buffer builds it). `nbytes` is what the
+        batch keeps alive when it is part of a received message (its buffers are slices of
+        one allocation, counted whole); 0: the batch's own buffers.
         """
         n = batch.num_rows
         if n == 0:
             return
-        if batch.schema != self.schema:
-            raise ValueError(f"chunk schema differs from the store's:\n{batch.schema}")
-        rows = np.arange(first_row, first_row + n, dtype=np.int64)
-        held = batch.get_total_buffer_size()
-        self._place(_Chunk(batch, rows, max(held, nbytes or 0)))
-        if n < self.cfg.small_chunk_rows:
-            self._small.append(self._next_chunk - 1)
+        self._ensure(first_row + n)
+        cid, self._next_chunk = self._next_chunk, self._next_chunk + 1
+        self._chunks[cid] = _Chunk(batch, np.arange(first_row, first_row + n, dtype=np.int64),
+                                   nbytes or batch.get_total_buffer_size())
+        lo = first_row - self._base
+        self._chunk_of[lo:lo + n] = cid
+        self._position[lo:lo + n] = self._positions[:n] if n <= len(self._positions) else np.arange(n)
+        if self.cfg.coalesce_after and n < self.cfg.small_chunk_rows:
+            self._small.append(cid)
 
     def retire(self, rows: np.ndarray) -> None:
         """Forget `rows` (trained or dropped); frees or marks their chunks for rewriting."""
@@ -82,11 +87,16 @@ class ChunkStore:
         cids = self._chunk_of[slots]
         self._chunk_of[slots] = -1
         ids, counts = np.unique(cids, return_counts=True)
+        big = self.cfg.small_chunk_rows
         for cid, count in zip(ids.tolist(), counts.tolist()):
             chunk = self._chunks[cid]
             chunk.live -= count
             if chunk.live == 0:
                 del self._chunks[cid]
+            elif len(chunk.rows) >= big and chunk.live < (1 - REWRITE_DEAD_FRACTION) * len(chunk.rows):
+                # small chunks are left to empty out or to be coalesced: rewriting a few rows
+                # at a time would cost a copy call per producer batch on the serial path
+                self._sparse.add(cid)
 
     # ----------------------------------------------------------------- rows out
     def take(self, rows: np.ndarray) -> pa.RecordBatch:
@@ -132,18 +142,17 @@ class ChunkStore:
     # ----------------------------------------------------------------- memory
     def compact(self) -> None:
         """Rewrite mostly-retired chunks and coalesce small ones (each a single copy)."""
-        # small chunks are left to empty out or to be coalesced: rewriting a few rows at a
-        # time would cost a copy call per producer batch on the serial path
-        big = self.cfg.small_chunk_rows
-        for cid in [c for c, ch in self._chunks.items()
-                    if len(ch.rows) >= big and ch.live < (1 - REWRITE_DEAD_FRACTION) * len(ch.rows)]:
-            chunk = self._chunks.pop(cid)
-            live = self._live_positions(cid, chunk)
-            self._place(_Chunk(chunk.batch.take(pa.array(live)), chunk.rows[live], 0))
-        self._small = [c for c in self._small if c in self._chunks]
+        for cid in self._sparse:
+            chunk = self._chunks.pop(cid, None)
+            if chunk is not None:
+                live = self._live_positions(cid, chunk)
+                self._place(_Chunk(chunk.batch.take(pa.array(live)), chunk.rows[live], 0))
+        self._sparse.clear()
         if self.cfg.coalesce_after and len(self._small) >= self.cfg.coalesce_after:
-            self._coalesce(self._small)
-            self._small = []
+            self._small = [c for c in self._small if c in self._chunks]
+            if len(self._small) >= self.cfg.coalesce_after:
+                self._coalesce(self._small)
+                self._small = []
 
     def _coalesce(self, cids: list[int]) -> None:
         pieces, rows = [], []

@@ -49,6 +49,7 @@ class LearnerConfig:
     std_normalize: bool = True  # divide group advantages by the group std (False = Dr.GRPO)
     team_alpha: float = 1.0  # AT-GRPO eq. 4 weight α of the team reward: r = α·r_team + r_local
     reward_kl_beta: float = 0.0  # MAPPA eq. 1 β: KL penalty folded into reinforce_pp rewards
+    entropy_coef: float = 0.0  # weight of the entropy bonus subtracted from the loss (exploration)
     kl_beta: float = 0.0  # weight of the k3 KL(π_θ‖π_ref) term in the loss; > 0 loads a reference
     lr: float = 1e-5  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW decoupled weight decay
@@ -77,7 +78,8 @@ class LearnerConfig:
             self.advantage,
             f"use one of {sorted(READINESS_UNITS)}",
         )
-        for name in ("team_alpha", "reward_kl_beta", "kl_beta", "weight_decay", "grad_clip"):
+        for name in ("team_alpha", "reward_kl_beta", "kl_beta", "entropy_coef", "weight_decay",
+                     "grad_clip"):
             value = getattr(self, name)
             _check(math.isfinite(value) and value >= 0, name, value, "use a finite value ≥ 0")
         _check(

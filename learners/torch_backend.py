@@ -108,7 +108,11 @@ class TorchLearner:
         target_logits = logits.gather(-1, batch.target_ids.unsqueeze(-1)).squeeze(-1)
         logprobs = torch.where(batch.loss_mask > 0, target_logits - log_norm, 0.0)
         entropy = None
-        if with_entropy:
+        if with_entropy and self.cfg.entropy_coef > 0:
+            # Differentiable: the entropy bonus needs its gradient.
+            probs = torch.softmax(logits, dim=-1)
+            entropy = log_norm - (probs * logits).sum(-1)
+        elif with_entropy:
             with torch.no_grad():
                 probs = torch.softmax(logits.detach(), dim=-1)
                 entropy = log_norm.detach() - (probs * logits.detach()).sum(-1)
@@ -169,9 +173,12 @@ class TorchLearner:
                     ref_logp=ref_logp,
                     kl_beta=cfg.kl_beta,
                 )
+                mean_entropy = masked_mean(entropy, mb.loss_mask)
+                if cfg.entropy_coef > 0:  # exploration bonus: maximise entropy a little
+                    loss = loss - cfg.entropy_coef * mean_entropy
                 (loss * share).backward()
                 metrics["loss"] = loss.detach()
-                metrics["entropy"] = masked_mean(entropy, mb.loss_mask)
+                metrics["entropy"] = mean_entropy.detach()
                 weight_max = torch.maximum(weight_max, metrics.pop("importance_weight_max"))
                 for name, value in metrics.items():
                     sums[name] = sums.get(name, 0.0) + value * share

@@ -67,6 +67,8 @@ class Run:
         self.rollouts: dict[int, object] = {}
         self.rollout_refs: dict = {}
         self.restarts = 0
+        self.owners: dict[int, str] = {}
+        self.crashed_units: dict[str, int] = {}  # admitted units lost with crashed actors
         self.finished_rollout_stats: list[dict] = []
 
     def start(self) -> None:
@@ -111,11 +113,13 @@ class Run:
 
     def _spawn_rollout(self, index: int) -> None:
         cfg = self.cfg
+        owner = f"rollout-{index}-{self.restarts}"
         actor = ray.remote(RolloutHost).options(
             num_cpus=cfg.run.rollout_cpus, max_concurrency=1000).remote(
             cfg.rollout, cfg.workflow, self.run_id, index, self.urls, self.model_paths,
-            self.ports, self.readiness)
+            self.ports, self.readiness, owner)
         self.rollouts[index] = actor
+        self.owners[index] = owner
         self.rollout_refs[actor.run.remote()] = index
 
     def wait(self) -> None:
@@ -154,8 +158,12 @@ class Run:
                       self.cfg.run.max_actor_restarts, exc)
             if self.restarts > self.cfg.run.max_actor_restarts:
                 raise RuntimeError(f"rollout actor {index} kept failing") from exc
-            # A crashed actor's in-flight rows never reached a buffer: its last stats are
-            # lost with the process, so they are counted as lost episodes below.
+            # Its in-flight rounds never reached a buffer: give their admission budget back
+            # and count them, then replace the (stateless) actor.
+            ray.kill(self.rollouts[index])
+            freed = ray.get(self.clock.release_owner.remote(self.owners[index]))
+            for model_id, n in freed.items():
+                self.crashed_units[model_id] = self.crashed_units.get(model_id, 0) + n
             self._spawn_rollout(index)
 
     def _status(self) -> None:
@@ -178,24 +186,30 @@ class Run:
         learner = {m: ray.get(w.summary.remote()) for m, w in self.learners.items()}
         drained = {m: ray.get(b.drain.remote("run_stopped")) for m, b in self.buffers.items()}
         buffers = {m: asdict(ray.get(b.stats.remote())) for m, b in self.buffers.items()}
-        generated = sum(s["rows_generated"] for s in rollout_stats)
-        lost = {}
+        lost: dict[str, int] = {}
         for s in rollout_stats:
             for reason, n in s["rows_lost"].items():
                 lost[reason] = lost.get(reason, 0) + n
+        buffered = sum(b["rows_added"] for b in buffers.values())
         trained = sum(b["rows_trained"] for b in buffers.values())
-        dropped = {}
+        dropped: dict[str, int] = {}
         for b in buffers.values():
             for reason, n in b["dropped"].items():
                 dropped[reason] = dropped.get(reason, 0) + n
+        # Rows that crashed actors shipped are in the buffers; what they had in flight is
+        # reported as units (`crashed_actor_units`), since the process that knew it is gone.
+        shipped_by_crashed = buffered - sum(s["rows_added"] for s in rollout_stats)
+        generated = sum(s["rows_generated"] for s in rollout_stats) + shipped_by_crashed
         accounted = trained + sum(dropped.values()) + sum(lost.values())
         summary = {
             "run_id": self.run_id, "run_dir": str(self.run_dir),
             "wall_s": time.time() - self.started_at, "learners": learner,
             "rollouts": rollout_stats, "buffers": buffers, "drained": drained,
             "coach": ray.get(self.coach.stats.remote()), "actor_restarts": self.restarts,
-            "rows": {"generated": generated, "trained": trained, "dropped": dropped,
-                     "lost_in_rollout": lost, "unaccounted": generated - accounted},
+            "rows": {"generated": generated, "buffered": buffered, "trained": trained,
+                     "dropped": dropped, "lost_in_rollout": lost,
+                     "crashed_actor_units": self.crashed_units,
+                     "unaccounted": generated - accounted},
             "tensorboard_keys": ray.get(self.metrics.close.remote()),
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

@@ -18,18 +18,24 @@ from buffers.schema import RewardCommit, StepRecord
 class RayRolloutPorts:
     """RolloutPorts over Ray actor handles (clock, buffers, coach pool, metrics)."""
 
-    def __init__(self, clock, buffers: dict, coach, metrics) -> None:
+    def __init__(self, clock, buffers: dict, coach, metrics, owner: str = "") -> None:
+        self.owner = owner  # this rollout actor's name at the clock (in-flight accounting)
         self.clock = clock
         self.buffers = buffers
         self.coach = coach
         self.metrics = metrics
 
+    def for_owner(self, owner: str) -> "RayRolloutPorts":
+        return RayRolloutPorts(self.clock, self.buffers, self.coach, self.metrics, owner)
+
     async def admit(self, units: dict[str, int]) -> bool:
-        return await self.clock.try_admit.remote(units)
+        return await self.clock.try_admit.remote(units, self.owner)
+
+    async def shipped(self, units: dict[str, int]) -> None:
+        await self.clock.shipped.remote(units, self.owner)
 
     async def release(self, units: dict[str, int]) -> None:
-        for model_id, n in units.items():
-            await self.clock.release.remote(model_id, n)
+        await self.clock.abandon.remote(units, self.owner)
 
     async def add_rows(self, model_id: str, records: list[StepRecord]) -> bool:
         return await self.buffers[model_id].try_add.remote(records)
@@ -63,7 +69,7 @@ class RolloutHost:
     def __init__(self, cfg: RolloutConfig, workflow_cfg: WorkflowConfig, run_id: str,
                  actor_index: int, engine_urls: dict[str, list[str]],
                  model_paths: dict[str, str], ports: RayRolloutPorts,
-                 readiness: dict[str, str]) -> None:
+                 readiness: dict[str, str], owner: str) -> None:
         from transformers import AutoTokenizer
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -73,8 +79,8 @@ class RolloutHost:
                                  AutoTokenizer.from_pretrained(model_paths[model_id]))
             for model_id, urls in engine_urls.items()
         }
-        self.actor = RolloutActor(cfg, workflow_cfg, run_id, actor_index, routes, ports,
-                                  readiness)
+        self.actor = RolloutActor(cfg, workflow_cfg, run_id, actor_index, routes,
+                                  ports.for_owner(owner), readiness)
 
     async def run(self) -> dict:
         return await self.actor.run()

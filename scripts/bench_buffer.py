@@ -1,7 +1,7 @@
 """What the buffer actor pays per row: ReplayBuffer against a list-of-dicts buffer.
 
-Run (about a minute on one CPU core):  python scripts/bench_buffer.py
-Options: --rows 20000 --arrival-rows 16 --batch-units 64 --reps 2
+Run (about half a minute on one CPU core):  python scripts/bench_buffer.py
+Options: --rows 20000 --arrival-rows 16 --batch-units 64 --reps 3
 
 In production the buffer is ONE actor that every rollout actor sends rows to and every
 learner pulls from, so its per-row cost is the system's serial bottleneck, while work on the
@@ -11,8 +11,12 @@ what that actor does, measured the same way:
   pickled (protocol 5) BEFORE timing: that is the producer's / the transport's sender side.
   The list-of-dicts message is the rows as an engine's JSON gives them (Python int lists);
   the ReplayBuffer message is a StepBatch built with records_to_table (it travels as one
-  Arrow IPC stream). A third line feeds the same ReplayBuffer bare pickled pa.Tables.
-- commit: pickle.loads of each batch of 64 reward commits + applying them.
+  single Arrow IPC message). Messages hold 16 rows by default, four groups of 4: what a
+  rollout actor sends after a round (a tree round of K=4 sends K + K*K = 20 rows; try
+  --arrival-rows 8 or 20). Extra lines feed the same ReplayBuffer bare pickled pa.Tables.
+- commit: pickle.loads of each batch of 64 reward commits + applying them. The baseline gets
+  (step_id, reward) tuples; the ReplayBuffer gets one RewardColumns message (step_ids + a
+  float32 array), and an extra line gives it lists of RewardCommit instead.
 - sample: building the learner-ready output (contiguous numpy token arrays + offsets for the
   baseline, the ReadyBatch's Arrow table for ReplayBuffer) + pickle.dumps (protocol 5) of it
   for the trip to the learner. The learner's unpickling and the checksum are not timed.
@@ -24,6 +28,7 @@ Memory overhead is resident bytes (all rows held) over raw token bytes (4 B per 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import pickle
 import random
@@ -37,7 +42,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 from buffers.replay import BufferConfig, ReplayBuffer  # noqa: E402
 from buffers.schema import (  # noqa: E402
-    RewardCommit, StepBatch, StepRecord, group_key, new_id, records_to_table,
+    RewardColumns, RewardCommit, StepBatch, StepRecord, group_key, new_id, records_to_table,
 )
 
 TOKEN_COLUMNS = (("prompt_ids", np.int32), ("response_ids", np.int32),
@@ -134,12 +139,23 @@ def learner_view(batch) -> dict:
     return out
 
 
-def checksum(out: dict) -> tuple[int, int]:
-    return len(out["reward"]), int(out["response_ids"][0].astype(np.int64).sum()) + len(out["prompt_ids"][0])
+def checksum(out: dict, digest) -> int:
+    """Feed everything the learner reads of one batch into `digest`; returns its row count.
+
+    Both buffers must hand out the same rows in the same order, batch by batch: same rewards,
+    staleness and token values and offsets, byte for byte.
+    """
+    for name in ("reward", "staleness"):
+        digest.update(np.ascontiguousarray(out[name]).tobytes())
+    for name, dtype in TOKEN_COLUMNS:
+        values, offsets = out[name]
+        digest.update(np.ascontiguousarray(values, dtype).tobytes())
+        digest.update(np.ascontiguousarray(offsets, np.int64).tobytes())
+    return len(out["reward"])
 
 
-def run(add, commit, sample, messages, commit_messages, view):
-    """Time what the buffer actor pays; returns seconds per phase and a checksum of what was trained.
+def run(add, commit, sample, messages, commit_messages, view, before_sample=lambda: None):
+    """Time what the buffer actor pays; returns seconds per phase and a digest of what was trained.
 
     insert: unpickle each producer message + insert. commit: unpickle each commit message +
     apply. sample: produce the learner-ready output + pickle it for the trip to the learner.
@@ -151,7 +167,8 @@ def run(add, commit, sample, messages, commit_messages, view):
     for message in commit_messages:
         commit(pickle.loads(message))
     t2 = time.perf_counter()
-    sample_s, rows, tokens = 0.0, 0, 0
+    before_sample()  # untimed: e.g. reading resident bytes while every row is held
+    sample_s, rows, digest = 0.0, 0, hashlib.blake2b(digest_size=16)
     while True:
         start = time.perf_counter()
         out = sample()
@@ -159,17 +176,16 @@ def run(add, commit, sample, messages, commit_messages, view):
             break
         pickle.dumps(out, protocol=5)
         sample_s += time.perf_counter() - start
-        n, t = checksum(view(out))  # the learner's side, untimed
-        rows, tokens = rows + n, tokens + t
-    return (t1 - t0, t2 - t1, sample_s), (rows, tokens)
+        rows += checksum(view(out), digest)  # the learner's side, untimed
+    return (t1 - t0, t2 - t1, sample_s), (rows, digest.hexdigest())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=20000)
-    parser.add_argument("--arrival-rows", type=int, default=16)  # rows per producer message
+    parser.add_argument("--arrival-rows", type=int, default=20)  # rows per producer message: K + K*K for a tree round of K=4
     parser.add_argument("--batch-units", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=2)  # best of, to damp a shared machine
+    parser.add_argument("--reps", type=int, default=3)  # best of, to damp a shared machine
     args = parser.parse_args()
 
     rows = make_rows(args.rows)
@@ -188,24 +204,28 @@ def main() -> None:
     rewards = [(rows[i]["step_id"], rng.random()) for i in order]
     reward_batches = [rewards[i:i + 64] for i in range(0, len(rewards), 64)]
     base_commits = [pickle.dumps(b, protocol=5) for b in reward_batches]
-    arrow_commits = [pickle.dumps([RewardCommit(s, reward=r) for s, r in b], protocol=5)
-                     for b in reward_batches]
+    column_commits = [pickle.dumps(RewardColumns([s for s, _ in b], reward=np.array([r for _, r in b], np.float32)),
+                                   protocol=5) for b in reward_batches]
+    list_commits = [pickle.dumps([RewardCommit(s, reward=r) for s, r in b], protocol=5)
+                    for b in reward_batches]
     raw = sum(4 * len(r["prompt_ids"]) + 12 * len(r["response_ids"]) for r in rows)
 
     # warm-up: pyarrow and numpy load kernels lazily on first use; keep that out of the timings
     warm = ReplayBuffer("policy", BufferConfig(capacity_rows=args.arrival_rows))
     warm.try_add(pickle.loads(arrow_messages[0]))
-    warm.commit_rewards(pickle.loads(arrow_commits[0]))
+    warm.commit_rewards(pickle.loads(column_commits[0]))
     pickle.dumps(warm.sample(1, VERSION, ETA), protocol=5)
-    variants = {"list-of-dicts": base_messages, "ReplayBuffer": arrow_messages,
-                "  bare pa.Table": table_messages}
+    variants = {"list-of-dicts": (base_messages, base_commits),
+                "ReplayBuffer": (arrow_messages, column_commits),
+                "  commit lists": (arrow_messages, list_commits),
+                "  bare pa.Table": (table_messages, column_commits)}
     best: dict = {name: None for name in variants}
     for _ in range(args.reps):
         base = ListBuffer()
         times, check_base = run(base.add, base.commit, lambda: base.sample(args.batch_units, VERSION, ETA),
-                                base_messages, base_commits, lambda out: out)
+                                *variants["list-of-dicts"], lambda out: out)
         best["list-of-dicts"] = min(best["list-of-dicts"] or times, times, key=sum)
-        for name in ("ReplayBuffer", "  bare pa.Table"):
+        for name in list(variants)[1:]:
             buf = ReplayBuffer("policy", BufferConfig(capacity_rows=args.rows))
             held = {}
 
@@ -213,17 +233,18 @@ def main() -> None:
                 assert buf.try_add(message)
 
             def sample():
-                if "bytes" not in held:  # first sample: every row is held; stats() is cheap
-                    held["bytes"] = buf.stats().resident_bytes
                 batch = buf.sample(args.batch_units, VERSION, ETA)
                 if batch is None and (left := len(buf._ready)):
                     batch = buf.sample(left, VERSION, ETA)  # the last, smaller batch: run until empty
                 return batch
 
-            times, check_buf = run(add, buf.commit_rewards, sample, variants[name], arrow_commits,
-                                   learner_view)
+            def before_sample():
+                held["bytes"] = buf.stats().resident_bytes
+
+            times, check_buf = run(add, buf.commit_rewards, sample, *variants[name], learner_view,
+                                   before_sample)
             best[name] = min(best[name] or times, times, key=sum)
-            assert check_buf == check_base, (check_buf, check_base)  # same rows, same tokens trained
+            assert check_buf == check_base, (check_buf, check_base)  # same batches, byte for byte
             stats = buf.stats()
             assert stats.rows_added == stats.rows_trained + sum(stats.dropped.values())
             if name == "ReplayBuffer":
@@ -238,7 +259,8 @@ def main() -> None:
     for name, times in best.items():
         print(f"{name:<16}" + "".join(f"{t:>10.3f}" for t in times)
               + f"{sum(times):>10.3f}{sum(times) / args.rows * 1e6:>9.1f}")
-    print("  (bare pa.Table: the same ReplayBuffer fed pickled pa.Table messages instead of StepBatch)")
+    print("  (commit lists: the same ReplayBuffer given lists of RewardCommit instead of RewardColumns;\n"
+          "   bare pa.Table: given pickled pa.Table messages instead of StepBatch)")
     print(f"producer side, NOT charged to the buffer (spread over the rollout actors): building each "
           f"StepBatch (lists -> numpy -> records_to_table) {build_s / args.rows * 1e6:.1f} us/row; "
           f"the list-of-dicts producer builds nothing")

@@ -52,11 +52,8 @@ class ArithDuo:
         truth = {"+": a + b, "-": a - b, "*": a * b}[op]
         return Task(task_id=f"arith-{index}", prompt=f"What is {a} {op} {b}?", truth=str(truth))
 
-    def units_per_round(self, agent_models: dict[str, str], group_size: int) -> dict[str, int]:
-        units: dict[str, int] = {}
-        for agent in self.agents:  # one K-candidate group per role per round
-            units[agent_models[agent]] = units.get(agent_models[agent], 0) + 1
-        return units
+    def groups_per_round(self, agent: str, group_size: int) -> int:
+        return 1  # one K-candidate group per role per round
 
     def rule_score(self, agent, task, output_text, finish_reason, context) -> float:
         """Per-action rule score in [0, 1].

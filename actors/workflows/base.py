@@ -17,7 +17,9 @@ class SignalGameConfig:
     num_targets: int = 4  # V: how many targets the sender can see (chance success = 1/V)
     message_tokens: int = 1  # tokens the sender may emit
     answer_tokens: int = 1  # tokens the receiver may emit
-    valid_answer_bonus: float = 0.2  # receiver's local reward for naming any target (AT-GRPO eq. 4)
+    # receiver's local reward for naming any target (AT-GRPO eq. 4 r_local); 0 by default:
+    # it pulls every message toward whichever target the receiver happens to name first
+    valid_answer_bonus: float = 0.0
 
     def __post_init__(self) -> None:
         if not 2 <= self.num_targets <= 10:
@@ -68,6 +70,24 @@ class Task:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def units_per_round(workflow: "Workflow", agent_models: dict[str, str], group_size: int,
+                    readiness: dict[str, str]) -> dict[str, int]:
+    """Readiness units one round produces for each model (what the clock admits).
+
+    A model that trains on groups gets the groups of every agent mapped to it; one that trains
+    on episodes gets one unit per episode of the round (G for joint sampling, 1 for a tree).
+    """
+    episodes = group_size if workflow.sampling == "joint" else 1
+    units: dict[str, int] = {}
+    for agent, model_id in agent_models.items():
+        if readiness[model_id] == "episode":
+            units[model_id] = episodes
+        else:
+            units[model_id] = (units.get(model_id, 0)
+                               + workflow.groups_per_round(agent, group_size))
+    return units
+
+
 class Workflow(Protocol):
     """The protocol every workflow implements (registered in actors.workflows.WORKFLOWS)."""
 
@@ -77,8 +97,8 @@ class Workflow(Protocol):
 
     def make_task(self, rng: random.Random, index: int) -> Task: ...
 
-    def units_per_round(self, agent_models: dict[str, str], group_size: int) -> dict[str, int]:
-        """Readiness units (groups) one round produces for each model (for admission)."""
+    def groups_per_round(self, agent: str, group_size: int) -> int:
+        """How many groups (of group_size rows) one round gives this agent."""
         ...
 
     async def run(self, task: Task, episode: "Any") -> dict[str, float]:

@@ -1,10 +1,19 @@
 """Lewis signalling game: a sender sees a target, a receiver sees only the sender's message.
 
 Two agents on two separate models. A round is G joint rollouts of one target (MAGRPO §4:
-parallel joint sampling, the G actions of an agent at a turn form one group). Team reward 1
-when the receiver names the target (shared by both agents); the receiver also gets a small
-local reward for naming *any* target, mixed as r = α·r_team + r_local (AT-GRPO eq. 4).
-Success starts near chance and must climb to ≥ 0.9 — the spine's learning test.
+parallel joint sampling; with group estimators the G actions of an agent at a turn form one
+group). Team reward 1 when the receiver names the target, shared by both agents; the
+receiver may also get a local reward for naming any target, mixed as r = α·r_team + r_local
+(AT-GRPO eq. 4), off by default.
+
+Prompts are raw completions ("target 3", "message b"), not chat: on a tiny random model the
+chat template puts the same suffix after every prompt, so the last position barely sees the
+content and both agents learn one answer for all inputs; with the content as the last token
+the inputs are told apart from the first step. The learning configuration
+(configs/signal_game_tiny.yaml) trains both models with REINFORCE++'s global normalisation
+(MAPPA eq. 1): group-relative advantages vanish once a group's answers agree, which freezes
+the pair in a pooling convention, while a batch-wide baseline keeps punishing a wrong
+convention. Success starts near chance and must climb to ≥ 0.9.
 """
 from __future__ import annotations
 
@@ -28,11 +37,8 @@ class SignalGame:
         target = rng.randrange(self.cfg.num_targets)
         return Task(task_id=f"signal-{index}", prompt=f"target {target}", truth=str(target))
 
-    def units_per_round(self, agent_models: dict[str, str], group_size: int) -> dict[str, int]:
-        units: dict[str, int] = {}
-        for agent in self.agents:  # one turn per agent → one group per agent per round
-            units[agent_models[agent]] = units.get(agent_models[agent], 0) + 1
-        return units
+    def groups_per_round(self, agent: str, group_size: int) -> int:
+        return 1  # the G actions of an agent at turn 0 across the round
 
     def parse_answer(self, text: str) -> int | None:
         """The receiver's answer as a target index, or None when it names no target."""
@@ -42,14 +48,12 @@ class SignalGame:
         return None
 
     async def run(self, task: Task, episode) -> dict[str, float]:
-        (message,) = await episode.act(
-            "sender", [{"role": "user", "content": task.prompt}], turn=0,
-            max_new_tokens=self.cfg.message_tokens)
+        (message,) = await episode.act("sender", task.prompt, turn=0,
+                                       max_new_tokens=self.cfg.message_tokens)
         words = _WORD.findall(message.text)
         heard = " ".join(words) if words else "nothing"
-        (answer,) = await episode.act(
-            "receiver", [{"role": "user", "content": f"message {heard}"}], turn=0,
-            max_new_tokens=self.cfg.answer_tokens)
+        (answer,) = await episode.act("receiver", f"message {heard}", turn=0,
+                                      max_new_tokens=self.cfg.answer_tokens)
         guess = self.parse_answer(answer.text)
         success = float(guess is not None and str(guess) == task.truth)
         valid = float(guess is not None)

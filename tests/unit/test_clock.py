@@ -42,3 +42,16 @@ def test_unknown_model_names_known_ones():
         clock.try_admit({"ghost": 1})
     with pytest.raises(KeyError, match="ghost"):
         clock.set_version("ghost", 1)
+
+
+def test_a_dead_owner_gives_its_in_flight_units_back():
+    clock = VersionClock({"a": (2, 0), "b": (2, 0)})
+    assert clock.try_admit({"a": 1, "b": 1}, owner="r0")
+    assert clock.try_admit({"a": 1, "b": 1}, owner="r1")
+    assert not clock.try_admit({"a": 1}, owner="r0")  # full at v=0
+    clock.shipped({"a": 1, "b": 1}, owner="r0")  # r0's round reached the buffers
+    assert clock.release_owner("r0") == {}
+    assert clock.release_owner("r1") == {"a": 1, "b": 1}  # r1 died mid-round
+    assert clock.try_admit({"a": 1, "b": 1}, owner="r2")
+    with pytest.raises(ValueError):
+        clock.shipped({"a": 5}, owner="r2")

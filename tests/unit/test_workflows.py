@@ -4,7 +4,7 @@ import random
 import pytest
 
 from actors.workflows.arith_duo import ArithDuo, boxed_answer, num_eq
-from actors.workflows.base import ArithDuoConfig, SignalGameConfig, Task
+from actors.workflows.base import ArithDuoConfig, SignalGameConfig, Task, units_per_round
 from actors.workflows.signal_game import SignalGame
 
 TASK = Task("t", "What is 17 + 25?", "42")
@@ -61,8 +61,11 @@ def test_signal_game_parses_only_valid_targets():
     assert game.parse_answer("b") is None
 
 
-def test_units_per_round_counts_shared_models():
+def test_units_per_round_counts_shared_models_and_readiness():
     wf = ArithDuo(ArithDuoConfig())
-    assert wf.units_per_round({"solver": "p", "verifier": "p"}, 4) == {"p": 2}
+    assert units_per_round(wf, {"solver": "p", "verifier": "p"}, 4, {"p": "group"}) == {"p": 2}
+    assert units_per_round(wf, {"solver": "p", "verifier": "p"}, 4, {"p": "episode"}) == {"p": 1}
     game = SignalGame(SignalGameConfig())
-    assert game.units_per_round({"sender": "a", "receiver": "b"}, 8) == {"a": 1, "b": 1}
+    agents = {"sender": "a", "receiver": "b"}
+    assert units_per_round(game, agents, 8, {"a": "group", "b": "group"}) == {"a": 1, "b": 1}
+    assert units_per_round(game, agents, 8, {"a": "episode", "b": "episode"}) == {"a": 8, "b": 8}

@@ -1,0 +1,33 @@
+"""Failure paths of a live run: a dead rollout actor is replaced and nothing is lost silently."""
+import time
+from pathlib import Path
+
+import ray
+
+from runtime.config import load_config
+from runtime.controller import Run
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_killed_rollout_actor_is_replaced_and_rows_stay_accounted(tmp_path):
+    cfg = load_config(ROOT / "configs" / "arith_duo_tiny.yaml",
+                      [f"run.runs_dir={tmp_path}", "run.run_id=fault", "run.max_steps=5",
+                       "coach.latency_s=0.2"])
+    run = Run(cfg)
+    try:
+        run.start()
+        deadline = time.time() + 300
+        while ray.get(run.learners["policy"].summary.remote())["version"] < 1:
+            assert time.time() < deadline, "no learner step within 300 s"
+            time.sleep(0.5)
+        ray.kill(run.rollouts[0])  # mid-run, with rounds in flight
+        run.wait()
+        summary = run.finish()
+    finally:
+        run.shutdown()
+    assert summary["actor_restarts"] == 1
+    assert summary["learners"]["policy"]["version"] == 5
+    rows = summary["rows"]
+    assert rows["unaccounted"] == 0, rows
+    assert rows["buffered"] == rows["trained"] + sum(rows["dropped"].values())
