@@ -1,9 +1,10 @@
-"""Reading a producer's message: its rows as one WIRE_SCHEMA record batch, checked in one pass.
+"""Reading a producer's message: its rows in wire form (`WireRows`), checked in one pass.
 
-The buffer is one actor on everyone's path, and a message is a handful of rows, so what it
-pays per message is a count of Arrow/numpy calls, not a volume of bytes. This module reads
-the few columns the buffer needs by position, each with one call, and does the checks that
-need only the message itself; the buffer adds the checks against its own state.
+The buffer is one actor on everyone's path and a message is a handful of rows, so what it
+pays per message is a count of calls, not a volume of bytes. The wire form already holds
+the per-row scalars as one numpy structured array and the ids and labels as lists, so the
+checks here are a few numpy and set operations; the buffer adds the checks against its own
+state.
 """
 from __future__ import annotations
 
@@ -12,34 +13,24 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from buffers.schema import REWARD_COLUMNS, WIRE_SCHEMA, StepBatch, records_to_table, to_wire
+from buffers.schema import BODY_SCHEMA, StepBatch, WireRows, records_to_table, split_rows
 
-_AT = {name: i for i, name in enumerate(WIRE_SCHEMA.names)}
-_REWARD_AT = [_AT[name] for name in REWARD_COLUMNS]
-# Fixed-width columns and low-cardinality labels live in the buffer's numpy state, one
-# array per column indexed by row, so `sample` gathers each with one fancy index; a column
-# kept in the chunks instead costs `sample` a slice and a concatenate per unit, touching
-# that chunk's column metadata cold (measured: about 0.25 us per row per column, against
-# about 0.1 us per row per column to read it into numpy state on arrival).
+# Per-row scalars the buffer keeps in numpy state, one array per column indexed by row, so
+# `sample` gathers each with one fancy index. A column kept in the Arrow chunks instead
+# costs `sample` a slice and a concatenate per unit, touching that chunk's metadata cold.
 FIXED_COLUMNS = {"turn": np.int16, "group_size": np.int16, "candidate": np.int16,
                  "created_at": np.int64, "group_key": "V16"}  # created_at in microseconds
 LABEL_COLUMNS = ("run_id", "agent", "workflow", "finish_reason")  # held as int32 codes
-# The chunks keep the rest, less what the buffer holds anyway (step_id, behavior_version),
-# what is the same for every row (model_id: the buffer's own) and what changes after
-# arrival (rewards, status, rewarded_at).
-_NOT_STORED = {"step_id", "model_id", "behavior_version", *REWARD_COLUMNS, "status", "rewarded_at",
-               *FIXED_COLUMNS, *LABEL_COLUMNS}
-STORED_POSITIONS = [i for i, name in enumerate(WIRE_SCHEMA.names) if name not in _NOT_STORED]
-STORED_SCHEMA = pa.schema([WIRE_SCHEMA.field(i) for i in STORED_POSITIONS])
-# columns read as numpy here: a null in them is a malformed message
-_REQUIRED = [_AT[name] for name in ("step_id", "behavior_version", "group_key", *FIXED_COLUMNS)]
+# The chunks keep only the variable-length columns: the wire form's Arrow part, as it came.
+STORED_SCHEMA = BODY_SCHEMA
+_EPISODE_AT = BODY_SCHEMA.get_field_index("episode_id")
 
 
-def as_wire(rows) -> tuple[pa.RecordBatch, int]:
-    """A producer's message as one WIRE_SCHEMA record batch and its received size in bytes.
+def as_wire(rows) -> tuple[WireRows, int]:
+    """A producer's message in wire form and the size of its received Arrow part in bytes.
 
     A received `StepBatch` is used as it arrived; a table, record batch or StepRecords in
-    the same process are converted (token buffers are not copied).
+    the same process are split here (token buffers are not copied).
     """
     if isinstance(rows, StepBatch):
         return rows.wire, rows.wire_nbytes
@@ -47,45 +38,37 @@ def as_wire(rows) -> tuple[pa.RecordBatch, int]:
         rows = pa.Table.from_batches([rows])
     elif not isinstance(rows, pa.Table):
         rows = records_to_table(list(rows))
-    return to_wire(rows), 0
+    return split_rows(rows), 0
 
 
 @dataclass(frozen=True)
 class Arrival:
     """What the buffer keeps of one message's rows, read and checked; N rows."""
 
-    step_ids: list  # [N] str
+    rows: WireRows
     units: dict  # unit id -> positions of its rows in the message, units in order of first appearance
     unit_size: dict  # unit id -> group_size of its rows (group readiness only)
     rewards: np.ndarray | None  # float32 [N, len(REWARD_COLUMNS)], NaN = null; None: all null
-    behavior_version: np.ndarray  # int32 [N]
     created_at: np.ndarray  # float64 [N] seconds
-    fixed: dict  # FIXED_COLUMNS name -> numpy [N]
-    labels: dict  # LABEL_COLUMNS name -> [N] str or None
 
 
-def read_arrival(batch: pa.RecordBatch, model_id: str, group_mode: bool) -> Arrival:
-    """Read and check a message's rows (model, repeated ids, group sizes, rewards, nulls).
+def read_arrival(rows: WireRows, model_id: str, group_mode: bool) -> Arrival:
+    """Check a message's rows (model, repeated ids, group sizes, rewards) and group them.
 
     Raises ValueError naming the first offending row; nothing is changed anywhere.
     """
-    n = batch.num_rows
-    models = batch.column(_AT["model_id"]).to_pylist()
+    n = len(rows.step_ids)
+    if len(rows.scalars) != n or rows.body.num_rows != n:
+        raise ValueError(f"a message of {n} step ids carries {len(rows.scalars)} scalar rows "
+                         f"and {rows.body.num_rows} Arrow rows; they must match")
+    models = rows.labels["model_id"]
     if models.count(model_id) != n:
         other = next(m for m in models if m != model_id)
         raise ValueError(f"rows for model {other!r} sent to the buffer of {model_id!r}")
-    for i in _REQUIRED:
-        if batch.column(i).null_count:
-            raise ValueError(f"column {WIRE_SCHEMA.names[i]} has nulls; every row needs one")
-    step_ids = batch.column(_AT["step_id"]).to_pylist()
-    if len(set(step_ids)) != n:
+    if len(set(rows.step_ids)) != n:
         raise ValueError("try_add got the same step_id twice in one call")
-    keys = batch.column(_AT["group_key"])
-    raw = keys.buffers()[1].to_pybytes()[16 * keys.offset:16 * (keys.offset + n)]  # one copy of the keys
-    if group_mode:
-        uids = [raw[i:i + 16] for i in range(0, 16 * n, 16)]
-    else:
-        uids = batch.column(_AT["episode_id"]).to_pylist()
+    s = rows.scalars
+    uids = s["group_key"].tolist() if group_mode else rows.body.column(_EPISODE_AT).to_pylist()
     units: dict = {}
     for i, uid in enumerate(uids):
         members = units.get(uid)
@@ -93,33 +76,44 @@ def read_arrival(batch: pa.RecordBatch, model_id: str, group_mode: bool) -> Arri
             units[uid] = [i]
         else:
             members.append(i)
-    fixed = {name: batch.column(_AT[name]).to_numpy() for name in ("turn", "group_size", "candidate")}
-    fixed["created_at"] = batch.column(_AT["created_at"]).to_numpy().view(np.int64)
-    fixed["group_key"] = np.frombuffer(raw, "V16")
     unit_size = {}
     if group_mode:
-        sizes = fixed["group_size"].tolist()
+        sizes = s["group_size"].tolist()
         for uid, members in units.items():
             size = unit_size[uid] = sizes[members[0]]
             for i in members:
                 if sizes[i] != size:
-                    raise ValueError(f"row {step_ids[i]}: group_size {sizes[i]} differs from its group's {size}")
-    return Arrival(step_ids, units, unit_size, _rewards(batch, n),
-                   batch.column(_AT["behavior_version"]).to_numpy(), fixed["created_at"] / 1e6,
-                   fixed, {name: batch.column(_AT[name]).to_pylist() for name in LABEL_COLUMNS})
+                    raise ValueError(f"row {rows.step_ids[i]}: group_size {sizes[i]} differs from its group's {size}")
+    rewards = s["rewards"]
+    given = ~np.isnan(rewards)
+    if not given.any():
+        rewards = None  # the usual case: rewards come later
+    elif not np.isfinite(rewards[given]).all():
+        raise ValueError("rewards must be finite or null")
+    return Arrival(rows, units, unit_size, rewards, s["created_at"] / 1e6)
 
 
-def _rewards(batch: pa.RecordBatch, n: int) -> np.ndarray | None:
-    """Reward components as float32 [N, 5] with NaN for null; None when every one is null."""
-    rewards = None
-    for k, i in enumerate(_REWARD_AT):
-        column = batch.column(i)
-        if column.null_count == n:  # the usual case: rewards come later
-            continue
-        values = column.to_numpy(zero_copy_only=False)  # nulls become NaN
-        if not np.isfinite(values[~np.isnan(values)]).all():
-            raise ValueError("rewards must be finite or null")
-        if rewards is None:
-            rewards = np.full((n, len(REWARD_COLUMNS)), np.nan, np.float32)
-        rewards[:, k] = values
-    return rewards
+class LabelCodes:
+    """Value -> int32 code of each label column; a column has a few values over a run."""
+
+    def __init__(self) -> None:
+        self._codes = {name: {None: -1} for name in LABEL_COLUMNS}  # -1: null
+        self._dictionaries: dict = {}  # name -> its values as an Arrow array, built on use
+
+    def encode(self, name: str, values: list) -> list[int]:
+        """Codes of `values`, a value never seen before numbered as it first appears."""
+        codes = self._codes[name]
+        new = set(values).difference(codes)
+        if new:
+            for value in new:
+                codes[value] = len(codes) - 1
+            self._dictionaries.pop(name, None)
+        return [codes[v] for v in values]
+
+    def column(self, name: str, codes: np.ndarray) -> pa.DictionaryArray:
+        """The dictionary column of `codes` (int32 [N], -1 = null), one dictionary: nothing to merge."""
+        dictionary = self._dictionaries.get(name)
+        if dictionary is None:
+            dictionary = self._dictionaries[name] = pa.array(list(self._codes[name])[1:], pa.string())
+        nulls = codes < 0
+        return pa.DictionaryArray.from_arrays(pa.array(codes, mask=nulls if nulls.any() else None), dictionary)

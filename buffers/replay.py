@@ -2,13 +2,16 @@
 
 The buffer owns the rows of one model (DESIGN §2-§5) and is one actor that every rollout
 actor writes to and every learner reads from, so its per-row cost is the system's serial
-bottleneck. Producers therefore do the row-to-Arrow conversion (`records_to_table`, in
-parallel on the rollout side) and send Arrow; the buffer keeps their record batches as
-immutable chunks without copying a token (`buffers/store.py`) and does its bookkeeping per
-batch with numpy / Arrow kernels. Everything that changes after arrival (status, reward
-components, rewarded_at) lives in numpy arrays indexed by row id; row ids are absolute and
-never renumbered, so the step_id index and the units' row lists stay valid while memory is
-reclaimed. `sample` copies the handed-out rows once, into one contiguous batch.
+bottleneck, and with messages of a few rows that cost is mostly a count of calls. Producers
+therefore send rows already split the way the buffer keeps them (`StepBatch`, built in
+parallel on the rollout side): per-row scalars as one numpy structured array, which lands
+in the buffer's numpy state with one assignment per column, and the variable-length columns
+(strings, tokens) as one Arrow message, kept as an immutable chunk without copying a token
+(`buffers/store.py`). Everything that changes after arrival (status, reward components,
+rewarded_at) lives in numpy arrays indexed by row id too; row ids are absolute and never
+renumbered, so the step_id index and the units' row lists stay valid while memory is
+reclaimed. `sample` copies the handed-out rows once, into one contiguous batch: a slice per
+unit of the few chunk columns, one fancy index per numpy column.
 
 A plain class: `runtime/` wraps it as an actor; unit tests build it directly.
 """
@@ -29,7 +32,7 @@ from buffers.schema import (
 )
 from buffers.api import BufferConfig, BufferStats, ReadyBatch  # noqa: F401 (public here too)
 from buffers.ingest import (
-    FIXED_COLUMNS, LABEL_COLUMNS, STORED_POSITIONS, STORED_SCHEMA, Arrival, as_wire, read_arrival,
+    FIXED_COLUMNS, LABEL_COLUMNS, STORED_SCHEMA, Arrival, LabelCodes, as_wire, read_arrival,
 )
 from buffers.store import ChunkStore, StoreConfig
 
@@ -73,7 +76,7 @@ class ReplayBuffer:
         # immutable columns held per slot (see buffers/ingest.py); labels as codes into _labels
         self._fixed = {name: np.zeros(slots, dtype) for name, dtype in FIXED_COLUMNS.items()}
         self._fixed.update({name: np.zeros(slots, np.int32) for name in LABEL_COLUMNS})
-        self._labels = {name: {None: -1} for name in LABEL_COLUMNS}  # value -> code; few values each
+        self._labels = LabelCodes()
         self._index: dict[str, int] = {}  # step_id -> row id, live rows only
         self._store = ChunkStore(STORED_SCHEMA, StoreConfig(coalesce_after=cfg.coalesce_after))
         self._units: dict = {}
@@ -90,36 +93,38 @@ class ReplayBuffer:
     def try_add(self, rows: StepBatch | pa.Table | pa.RecordBatch | list[StepRecord]) -> bool:
         """Accept all rows or none; False (a counted refusal) when capacity would be exceeded.
 
-        `rows` is what a producer sends: a `StepBatch` or Arrow table / record batch in
-        STEP_SCHEMA (kept as chunks without copying), or StepRecords (converted here). A row
-        is READY on arrival when its `reward` is set, PENDING otherwise.
+        `rows` is what a producer sends: a `StepBatch` (any number of rows, e.g. every episode
+        of a round), or an Arrow table / record batch in STEP_SCHEMA, or StepRecords (both
+        split here; token buffers are kept without copying). A row is READY on arrival when
+        its `reward` is set, PENDING otherwise.
 
         Raises ValueError for rows that can never be accepted (another schema or model, a
         repeated step_id, a group_size that differs within a group, more rows than the unit
         expects, a batch larger than the whole capacity).
         """
-        batch, wire_nbytes = as_wire(rows)
-        n = batch.num_rows
+        wire, wire_nbytes = as_wire(rows)
+        n = len(wire.step_ids)
         if n == 0:
             return True
         if n > self.cfg.capacity_rows:
             raise ValueError(f"{n} rows in one try_add exceed capacity_rows={self.cfg.capacity_rows}; raise capacity_rows")
-        arrival = read_arrival(batch, self.model_id, self._group_mode)
+        arrival = read_arrival(wire, self.model_id, self._group_mode)
         self._validate(arrival)  # everything is checked before anything moves
         if self._live + n > self.cfg.capacity_rows:  # refused only after validation
             self._refusals += 1
             return False
-        self._insert(batch.select(STORED_POSITIONS), arrival, wire_nbytes)
+        self._insert(arrival, wire_nbytes)
         return True
 
     def _validate(self, a: Arrival) -> None:
         """The checks of an arrival against what the buffer holds (ids, units)."""
-        if not self._index.keys().isdisjoint(a.step_ids):
-            repeated = next(s for s in a.step_ids if s in self._index)
+        step_ids = a.rows.step_ids
+        if not self._index.keys().isdisjoint(step_ids):
+            repeated = next(s for s in step_ids if s in self._index)
             raise ValueError(f"row {repeated} was already added")
         for uid, members in a.units.items():
             unit = self._units.get(uid)
-            first = a.step_ids[members[0]]
+            first = step_ids[members[0]]
             if self._group_mode and unit is not None and unit.expected != a.unit_size[uid]:
                 raise ValueError(f"row {first}: group_size {a.unit_size[uid]} differs from its group's {unit.expected}")
             if self._closed.get(uid, "") is None:
@@ -128,8 +133,9 @@ class ReplayBuffer:
             if expected is not None and (unit.received if unit else 0) + len(members) > expected:
                 raise ValueError(f"row {first}: its unit {uid!r} expects {expected} rows and got more")
 
-    def _insert(self, stored: pa.RecordBatch, a: Arrival, wire_nbytes: int) -> None:
-        n, start = len(a.step_ids), self._end
+    def _insert(self, a: Arrival, wire_nbytes: int) -> None:
+        step_ids, scalars = a.rows.step_ids, a.rows.scalars
+        n, start = len(step_ids), self._end
         self._ensure_slots(n)
         lo, hi = start - self._base, start - self._base + n
         # fresh slots already read PENDING / NaN / not alive: write only what differs
@@ -141,17 +147,12 @@ class ReplayBuffer:
             self._status[lo:hi] = np.where(rewarded, _READY, _PENDING)
             self._rewarded_at[lo:hi] = np.where(rewarded, a.created_at, np.nan)
             rewarded = rewarded.tolist()
-        self._behavior_version[lo:hi] = a.behavior_version
-        self._row_step[lo:hi] = a.step_ids
-        for name, values in a.fixed.items():
-            self._fixed[name][lo:hi] = values
-        for name, values in a.labels.items():
-            codes = self._labels[name]
-            for value in set(values).difference(codes):
-                codes[value] = len(codes) - 1  # -1 is taken by None (null)
-            self._fixed[name][lo:hi] = [codes[v] for v in values]
-        self._index.update(zip(a.step_ids, range(start, start + n)))
-        self._store.append(stored, start, wire_nbytes)
+        self._behavior_version[lo:hi] = scalars["behavior_version"]
+        self._row_step[lo:hi] = step_ids
+        for name, values in self._fixed.items():
+            values[lo:hi] = scalars[name] if name in FIXED_COLUMNS else self._labels.encode(name, a.rows.labels[name])
+        self._index.update(zip(step_ids, range(start, start + n)))
+        self._store.append(a.rows.body, start, wire_nbytes)
         self._end += n
         self._live += n
         self._rows_added += n
@@ -434,16 +435,15 @@ class ReplayBuffer:
         for name, pa_type in _FIXED_TYPES.items():
             columns[name] = pa.array(fixed[name], pa_type) if name != "group_key" else \
                 pa.FixedSizeBinaryArray.from_buffers(pa_type, len(rows), [None, pa.py_buffer(fixed[name])])
-        for name in LABEL_COLUMNS:  # one dictionary per column: nothing to merge
-            codes = fixed[name]
-            columns[name] = pa.DictionaryArray.from_arrays(
-                pa.array(codes, mask=codes < 0), pa.array(list(self._labels[name])[1:], pa.string()))
+        for name in LABEL_COLUMNS:
+            columns[name] = self._labels.column(name, fixed[name])
         columns["model_id"] = pa.DictionaryArray.from_arrays(np.zeros(len(rows), np.int32), [self.model_id])
         columns["step_id"] = pa.array(self._row_step[slots], pa.string())
         columns["behavior_version"] = pa.array(self._behavior_version[slots])
-        rewards = self._rewards[slots]
-        for k, name in enumerate(REWARD_COLUMNS):
-            columns[name] = pa.array(rewards[:, k], pa.float32(), mask=np.isnan(rewards[:, k]))
+        rewards = np.ascontiguousarray(self._rewards[slots].T)  # [5, N]
+        for name, values, null in zip(REWARD_COLUMNS, rewards, np.isnan(rewards)):
+            columns[name] = pa.nulls(len(rows), pa.float32()) if null.all() else \
+                pa.array(values, pa.float32(), mask=null if null.any() else None)
         columns["status"] = pa.array(np.full(len(rows), _READY, np.int8))
         micros = (self._rewarded_at[slots] * 1e6).astype(np.int64)
         columns["rewarded_at"] = pa.array(micros, pa.timestamp("us"))

@@ -1,27 +1,29 @@
 """What the buffer actor pays per row: ReplayBuffer against a list-of-dicts buffer.
 
 Run (about half a minute on one CPU core):  python scripts/bench_buffer.py
-Options: --rows 20000 --arrival-rows 16 --batch-units 64 --reps 3
+Options: --rows 20000 --arrival-rows 20 --batch-units 64 --reps 3
 
 In production the buffer is ONE actor that every rollout actor sends rows to and every
 learner pulls from, so its per-row cost is the system's serial bottleneck, while work on the
 producer side is spread over many rollout actors. Both buffers are therefore charged exactly
 what that actor does, measured the same way:
-- insert: pickle.loads of each producer message (~16 rows) + the insert. The messages are
-  pickled (protocol 5) BEFORE timing: that is the producer's / the transport's sender side.
-  The list-of-dicts message is the rows as an engine's JSON gives them (Python int lists);
-  the ReplayBuffer message is a StepBatch built with records_to_table (it travels as one
-  single Arrow IPC message). Messages hold 16 rows by default, four groups of 4: what a
-  rollout actor sends after a round (a tree round of K=4 sends K + K*K = 20 rows; try
-  --arrival-rows 8 or 20). Extra lines feed the same ReplayBuffer bare pickled pa.Tables.
+- insert: pickle.loads of each producer message + the insert. The messages are pickled
+  (protocol 5) BEFORE timing: that is the producer's / the transport's sender side. The
+  list-of-dicts message is the rows as an engine's JSON gives them (Python int lists); the
+  ReplayBuffer message is a StepBatch built with records_to_table (it travels as numpy
+  scalars, label lists and one Arrow IPC message). Messages hold 20 rows by default, five
+  groups of 4: what a rollout actor sends after a round (a tree round of K=4 sends
+  K + K*K = 20 rows; try --arrival-rows 8 or 16). An extra line feeds the same
+  ReplayBuffer bare pickled pa.Tables, which it must split itself.
 - commit: pickle.loads of each batch of 64 reward commits + applying them. The baseline gets
   (step_id, reward) tuples; the ReplayBuffer gets one RewardColumns message (step_ids + a
   float32 array), and an extra line gives it lists of RewardCommit instead.
 - sample: building the learner-ready output (contiguous numpy token arrays + offsets for the
   baseline, the ReadyBatch's Arrow table for ReplayBuffer) + pickle.dumps (protocol 5) of it
   for the trip to the learner. The learner's unpickling and the checksum are not timed.
-NOT charged to the buffer, printed separately: building each StepBatch from Python lists
-(lists -> numpy -> records_to_table), which the rollout actors do in parallel.
+NOT charged to the buffer, printed separately: building and pickling each StepBatch from
+Python lists (lists -> numpy -> records_to_table -> wire form), which the rollout actors do
+in parallel.
 Memory overhead is resident bytes (all rows held) over raw token bytes (4 B per prompt token,
 12 B per response token: id, logprob, version).
 """
@@ -193,10 +195,10 @@ def main() -> None:
     # producer side (parallel rollout actors), timed only to be shown: build each message
     t0 = time.perf_counter()
     step_batches = [StepBatch(records_to_table([to_record(r) for r in cut])) for cut in cuts]
+    arrow_messages = [pickle.dumps(b, protocol=5) for b in step_batches]
     build_s = time.perf_counter() - t0
     # sender side (Ray serialises the call's argument before it reaches the buffer): untimed
     base_messages = [pickle.dumps(cut, protocol=5) for cut in cuts]
-    arrow_messages = [pickle.dumps(b, protocol=5) for b in step_batches]
     table_messages = [pickle.dumps(b.table, protocol=5) for b in step_batches]
     rng = random.Random(0)
     order = list(range(args.rows))
@@ -262,7 +264,7 @@ def main() -> None:
     print("  (commit lists: the same ReplayBuffer given lists of RewardCommit instead of RewardColumns;\n"
           "   bare pa.Table: given pickled pa.Table messages instead of StepBatch)")
     print(f"producer side, NOT charged to the buffer (spread over the rollout actors): building each "
-          f"StepBatch (lists -> numpy -> records_to_table) {build_s / args.rows * 1e6:.1f} us/row; "
+          f"StepBatch (lists -> numpy -> records_to_table -> wire form, pickled) {build_s / args.rows * 1e6:.1f} us/row; "
           f"the list-of-dicts producer builds nothing")
     speedup = sum(best["list-of-dicts"]) / sum(best["ReplayBuffer"])
     print(f"resident bytes {memory:,} for raw token bytes {raw:,} (all rows held)")

@@ -3,11 +3,13 @@ import pickle
 import time
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from buffers.replay import BufferConfig, ReplayBuffer
 from buffers.schema import (
-    DROP_REASONS, RewardCommit, Status, StepBatch, StepRecord, group_key, new_id, records_to_table,
+    DROP_REASONS, RewardColumns, RewardCommit, Status, StepBatch, StepRecord, group_key, new_id,
+    records_to_table,
 )
 
 
@@ -299,3 +301,65 @@ def test_coalescing_small_batches_keeps_rows_and_accounting():
     assert got == [r.step_id for rows in groups[::2] + groups[1::2] for r in rows]
     s = _invariant(buf)
     assert s.rows_trained == 24 and s.pending_rows == s.ready_rows == 0
+
+
+def test_reward_columns_match_commit_lists():
+    """The columnar commit message applies exactly what the list of RewardCommit would."""
+    rows = _rows("g", 4) + _rows("h", 4)
+    bufs = [ReplayBuffer("m", BufferConfig(min_group_size=3)) for _ in range(2)]
+    commits = [RewardCommit(r.step_id, reward=0.5 * k, coach_score=0.1 if k % 2 else None)
+               for k, r in enumerate(rows[:7])]
+    commits += [RewardCommit(rows[7].step_id, failed_reason="parse"), RewardCommit("gone", reward=1.0)]
+    columns = pickle.loads(pickle.dumps(RewardColumns.from_commits(commits), protocol=5))
+    assert columns.coach_score is not None and np.isnan(columns.coach_score[0])
+    for buf, message in zip(bufs, (commits, columns)):
+        assert buf.try_add(pickle.loads(pickle.dumps(StepBatch(records_to_table(rows)), protocol=5)))
+        buf.commit_rewards(message)
+    tables = [buf.sample(2, 0, 0).table.drop_columns(["rewarded_at"]) for buf in bufs]
+    assert tables[0].equals(tables[1])  # rewarded_at is each buffer's own clock
+    assert tables[0].column("reward").to_pylist() == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0]
+    assert [_invariant(buf).dropped["failed"] for buf in bufs] == [1, 1]
+    assert [buf.stats().late_commits for buf in bufs] == [1, 1]
+
+
+def test_reward_columns_repeated_ids_apply_in_order_and_bad_values_raise():
+    buf = ReplayBuffer("m", BufferConfig())
+    rows = _rows("g", 2)
+    buf.try_add(rows)
+    ids = [rows[0].step_id, rows[0].step_id, rows[1].step_id]
+    buf.commit_rewards(RewardColumns(ids, reward=np.array([0.1, 0.9, 0.3], np.float32),
+                                     reward_local=np.array([0.2, np.nan, np.nan], np.float32)))
+    table = buf.sample(1, 0, 0).table
+    assert table.column("reward").to_numpy().tolist() == pytest.approx([0.9, 0.3])
+    assert table.column("reward_local").to_pylist()[0] == pytest.approx(0.2)  # NaN left it as it was
+    with pytest.raises(ValueError, match="must be finite"):
+        RewardColumns(ids[:1], reward=np.array([np.inf], np.float32))
+    with pytest.raises(ValueError, match="must be finite"):
+        buf.commit_rewards([RewardCommit(rows[0].step_id, reward=float("nan"))])
+    with pytest.raises(ValueError, match="2 values for 1 step_ids"):
+        RewardColumns(ids[:1], reward=np.zeros(2, np.float32))
+
+
+def test_sampled_rows_keep_every_column_of_a_multi_episode_message():
+    """One message carrying several episodes and groups; labels differ between rows."""
+    rows = _rows("a", 2, reward=1.0) + _rows("b", 3, reward=0.5, turn=1)
+    rows[1] = StepRecord(**{**rows[1].__dict__, "agent": "critic", "finish_reason": "length",
+                            "meta": '{"tool": "run"}', "branch": "0.1"})
+    buf = ReplayBuffer("m", BufferConfig())
+    assert buf.try_add(pickle.loads(pickle.dumps(StepBatch(records_to_table(rows)), protocol=5)))
+    batch = buf.sample(2, 0, 0)
+    sent = records_to_table(rows)
+    for name in batch.table.schema.names:
+        if name != "rewarded_at":
+            assert batch.table.column(name).to_pylist() == sent.column(name).to_pylist(), name
+    assert batch.table.schema == sent.schema
+    assert batch.table.column("agent").to_pylist()[:2] == ["a", "critic"]
+    assert batch.unit_offsets.tolist() == [0, 2, 5]
+
+
+def test_null_in_a_required_column_is_refused():
+    table = records_to_table(_rows("g", 2))
+    column = table.schema.get_field_index("group_size")
+    table = table.set_column(column, "group_size", pa.array([4, None], pa.int16()))
+    with pytest.raises(ValueError, match="group_size has nulls"):
+        ReplayBuffer("m", BufferConfig()).try_add(table)

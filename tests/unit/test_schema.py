@@ -72,3 +72,21 @@ def test_keys_differ_by_every_field_and_are_unambiguous():
     assert len(keys) == 6
     assert group_key("ab", "c", "", "a", 0) != group_key("a", "bc", "", "a", 0)
     assert len(group_key(*base)) == 16
+
+
+def test_wire_form_round_trip():
+    """A StepBatch travels as numpy scalars + label lists + one Arrow message, losslessly."""
+    import pickle
+
+    from buffers.schema import ROW_DTYPE, StepBatch, split_rows
+
+    records = [_record(reward=0.5), _record(candidate=1, versions=(), agent="critic"), _record(candidate=2)]
+    table = records_to_table(records)
+    wire = split_rows(table)
+    assert wire.scalars.dtype == ROW_DTYPE and wire.body.num_rows == 3
+    assert wire.scalars["group_key"].tolist()[0] == records[0].group_key
+    assert np.isnan(wire.scalars["rewards"][1, -1]) and wire.scalars["rewards"][0, -1] == 0.5
+    received = pickle.loads(pickle.dumps(StepBatch(table), protocol=5))
+    assert received.table.equals(table) and received.wire_nbytes > 0
+    empty = pickle.loads(pickle.dumps(StepBatch(records_to_table([])), protocol=5))
+    assert empty.table.num_rows == 0 and empty.table.schema == STEP_SCHEMA
