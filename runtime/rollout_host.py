@@ -12,7 +12,7 @@ from actors.episode import CoachRequest, ModelRoute
 from actors.engines.client import EngineClient
 from actors.rollout import RolloutActor, RolloutConfig
 from actors.workflows import WorkflowConfig
-from buffers.schema import RewardCommit, StepRecord
+from buffers.schema import RewardCommit, StepBatch, StepRecord, records_to_table
 
 
 class RayRolloutPorts:
@@ -38,7 +38,9 @@ class RayRolloutPorts:
         await self.clock.abandon.remote(units, self.owner)
 
     async def add_rows(self, model_id: str, records: list[StepRecord]) -> bool:
-        return await self.buffers[model_id].try_add.remote(records)
+        # Converted here, in the (parallel) rollout process: the buffer is one serial actor
+        # and ingests this wire form without copying token data.
+        return await self.buffers[model_id].try_add.remote(StepBatch(records_to_table(records)))
 
     async def seal_episode(self, model_id: str, episode_id: str, num_rows: int) -> None:
         await self.buffers[model_id].seal_episode.remote(episode_id, num_rows)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -35,6 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    runs_dir = Path(cfg.run.runs_dir)
+    if not runs_dir.is_absolute() and "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ:
+        logging.warning("running as a Ray job: run.runs_dir=%s lands in the job's copy of the "
+                        "working directory (%s); pass run.runs_dir=<absolute path> to keep it",
+                        runs_dir, Path.cwd())
+    cfg.run.runs_dir = str(runs_dir.resolve())
     summary = run(cfg)
     rows = summary["rows"]
     print(json.dumps({"rows": rows, "learners": summary["learners"]}, indent=2, default=str))
