@@ -233,11 +233,13 @@ def _build_tiny(out: Path, seed: int) -> dict:
         eos_token_id=im_end,
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
-        # Wider than the usual 0.02: at 0.02 attention is uniform and the next-token
+        # Wider than the usual 0.02. At 0.02 attention is uniform and the next-token
         # distribution barely depends on the prompt (total variation 0.02 between two
-        # targets), so RL has almost nothing to amplify; at 0.1 it is 0.3 while the entropy
-        # stays near uniform (4.1 of 4.3 nats), which keeps exploration wide.
-        initializer_range=0.1,
+        # prompts that differ in one word), so every input gets the same answer and RL has
+        # little to amplify; at 0.2 it is 0.79 while the entropy stays high (3.3 of 4.3
+        # nats). In the signalling game this took 4 of 4 seeds to >= 0.9 success within 80
+        # steps, against 3 of 4 in 150 steps at 0.1.
+        initializer_range=0.2,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
@@ -262,8 +264,8 @@ def provision_tiny(cache_dir: Path | None = None, seed: int = 0) -> Path:
         The folder, loadable by `from_pretrained` and by an SGLang server.
     """
     root = Path(cache_dir) if cache_dir else default_cache_dir()
-    # "v2": the initialisation changed (initializer_range 0.1); older caches are not reused.
-    return _build_once(root / f"tiny-v2-seed{seed}", lambda out: _build_tiny(out, seed))
+    # "v3": the initialisation changed (initializer_range 0.2); older caches are not reused.
+    return _build_once(root / f"tiny-v3-seed{seed}", lambda out: _build_tiny(out, seed))
 
 
 MODELS: dict[str, Callable[[], Path]] = {

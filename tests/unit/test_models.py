@@ -64,7 +64,7 @@ def test_provision_is_idempotent(tiny_path):
 
 
 def test_a_folder_without_marker_is_rebuilt(tmp_path):
-    crashed = tmp_path / "tiny-v2-seed0"
+    crashed = tmp_path / "tiny-v3-seed0"
     crashed.mkdir()
     (crashed / "config.json").write_text("{}")  # what an interrupted build could leave
     path = provision_tiny(tmp_path)
