@@ -9,6 +9,7 @@ loses only in-flight rounds, and those rows are counted with a reason, never sil
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import random
@@ -114,8 +115,7 @@ class RolloutActor:
         while not self._stopping:
             index = next(self._task_index)
             task = self.workflow.make_task(self._rng, index)
-            task = type(task)(f"{task.task_id}-a{self.actor_index}", task.prompt, task.truth,
-                              task.extra)
+            task = dataclasses.replace(task, task_id=f"{task.task_id}-a{self.actor_index}")
             while not await self.ports.admit(units):
                 self.admission_waits += 1
                 await asyncio.sleep(self.cfg.admission_poll_s)

@@ -162,8 +162,7 @@ class Run:
             # and count them, then replace the (stateless) actor.
             ray.kill(self.rollouts[index])
             freed = ray.get(self.clock.release_owner.remote(self.owners[index]))
-            for model_id, n in freed.items():
-                self.crashed_units[model_id] = self.crashed_units.get(model_id, 0) + n
+            self.crashed_units = _add_counts([self.crashed_units, freed])
             self._spawn_rollout(index)
 
     def _status(self) -> None:
@@ -186,16 +185,10 @@ class Run:
         learner = {m: ray.get(w.summary.remote()) for m, w in self.learners.items()}
         drained = {m: ray.get(b.drain.remote("run_stopped")) for m, b in self.buffers.items()}
         buffers = {m: asdict(ray.get(b.stats.remote())) for m, b in self.buffers.items()}
-        lost: dict[str, int] = {}
-        for s in rollout_stats:
-            for reason, n in s["rows_lost"].items():
-                lost[reason] = lost.get(reason, 0) + n
+        lost = _add_counts(s["rows_lost"] for s in rollout_stats)
         buffered = sum(b["rows_added"] for b in buffers.values())
         trained = sum(b["rows_trained"] for b in buffers.values())
-        dropped: dict[str, int] = {}
-        for b in buffers.values():
-            for reason, n in b["dropped"].items():
-                dropped[reason] = dropped.get(reason, 0) + n
+        dropped = _add_counts(b["dropped"] for b in buffers.values())
         # Rows that crashed actors shipped are in the buffers; what they had in flight is
         # reported as units (`crashed_actor_units`), since the process that knew it is gone.
         shipped_by_crashed = buffered - sum(s["rows_added"] for s in rollout_stats)
@@ -231,6 +224,15 @@ class Run:
                    if hasattr(self, name)]
         for actor in actors:
             ray.kill(actor)
+
+
+def _add_counts(counts) -> dict[str, int]:
+    """Sum count dicts key by key, keeping zero entries (every reason stays listed)."""
+    total: dict[str, int] = {}
+    for one in counts:
+        for key, n in one.items():
+            total[key] = total.get(key, 0) + n
+    return total
 
 
 def _pad_id(model_path: str) -> int:

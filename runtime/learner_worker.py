@@ -138,8 +138,8 @@ class LearnerWorker:
             per_agent[agent].append(float(reward))
         for agent, values in per_agent.items():
             scalars[f"reward/{agent}/mean"] = float(np.mean(values))
-        lengths = np.diff(table.column("response_ids").combine_chunks().offsets.to_numpy())
-        scalars[f"behavior/{m}/response_len_mean"] = float(lengths.mean())
+        # train["tokens"] is the batch's response-token count (the loss mask's sum).
+        scalars[f"behavior/{m}/response_len_mean"] = train["tokens"] / table.num_rows
         stats = await self.buffer.stats.remote()
         scalars.update({
             f"buffer/{m}/pending_rows": float(stats.pending_rows),

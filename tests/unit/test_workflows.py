@@ -69,3 +69,9 @@ def test_units_per_round_counts_shared_models_and_readiness():
     agents = {"sender": "a", "receiver": "b"}
     assert units_per_round(game, agents, 8, {"a": "group", "b": "group"}) == {"a": 1, "b": 1}
     assert units_per_round(game, agents, 8, {"a": "episode", "b": "episode"}) == {"a": 8, "b": 8}
+
+
+def test_signal_game_refuses_to_invent_a_coach_score():
+    game = SignalGame(SignalGameConfig())
+    with pytest.raises(ValueError, match="inline"):
+        game.rule_score("receiver", Task("t", "target 1", "1"), "1", "length", {})
