@@ -64,6 +64,10 @@ class EngineConfig:
     extra_args: list[str] = field(default_factory=list)  # appended verbatim to launch_server
     log_dir: str | None = None  # server logs; None = a fresh temp dir per engine
     max_restarts: int = 3  # ensure_alive raises after this many restarts
+    # Block the idle scheduler on its sockets instead of spinning: an idle server otherwise
+    # keeps one core at 100 % (measured: 31 s of CPU in 30 s idle, 1 s with the flag), which
+    # on a 2-core machine starves every other process of the run.
+    sleep_on_idle: bool = True
 
     def __post_init__(self) -> None:
         if self.device not in _DEVICES:
@@ -283,11 +287,24 @@ class SGLangEngine:
         Returns:
             The server's answer: `success`, `message`, `num_paused_requests`.
         """
-        response = self._http.post(
-            f"{self.url}/update_weights_from_disk",
-            json={"model_path": str(path), "weight_version": str(version)},
-            timeout=self.cfg.weight_update_timeout_s,
-        )
+        with self._lifecycle:
+            try:
+                response = self._http.post(
+                    f"{self.url}/update_weights_from_disk",
+                    json={"model_path": str(path), "weight_version": str(version)},
+                    timeout=self.cfg.weight_update_timeout_s,
+                )
+            except httpx.TransportError as err:
+                if self.is_alive():
+                    raise
+                # The server died (or was killed) between two updates: restart it directly on
+                # the new weights instead of failing the learner step.
+                log.warning("%s unreachable during weight update (%r); restarting on %s",
+                            self.model_id, err, path)
+                self.weights_path, self.weight_version = Path(path), version
+                self._ensure_alive()
+                return {"success": True, "message": "restarted on the new weights",
+                        "num_paused_requests": 0}
         body = response.json() if response.headers.get("content-type", "").startswith(
             "application/json") else {"message": response.text}
         if response.status_code != 200 or not body.get("success", False):
@@ -322,6 +339,8 @@ class SGLangEngine:
             cmd += ["--device", "cuda", "--tp-size", str(cfg.tp_size)]
             if cfg.mem_fraction_static is not None:
                 cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
+        if cfg.sleep_on_idle:
+            cmd += ["--sleep-on-idle"]
         if cfg.context_length is not None:
             cmd += ["--context-length", str(cfg.context_length)]
         if cfg.random_seed is not None:

@@ -9,6 +9,7 @@ import functools
 import os
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -216,3 +217,39 @@ def test_smollm2_conversion_answers_arithmetic():
     assert any(ch.isdigit() for ch in answer)  # an arithmetic answer, right or wrong
     # The turn ends with <|im_end|> before the cap: the saved eos ids are the right ones.
     assert tokenizer.eos_token_id in out[0, prompt.shape[1]:].tolist()
+
+
+def test_weight_update_on_a_dead_server_restarts_it_on_the_new_weights(
+        tiny_engine: SGLangEngine, prompts):
+    path, version = tiny_engine.weights_path, tiny_engine.weight_version + 1
+    restarts = tiny_engine.restarts
+    os.killpg(tiny_engine.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while tiny_engine.is_alive():
+        assert time.monotonic() < deadline, "killed server still answers"
+        time.sleep(0.2)
+
+    answer = tiny_engine.update_weights_from_disk(path, version)
+    assert answer["success"], answer
+    assert tiny_engine.restarts == restarts + 1
+    assert tiny_engine.weight_version == version
+    [gen] = generate(tiny_engine.url, prompts[0], n=1, max_new_tokens=4)
+    assert np.all(gen.versions == version)
+
+
+def _group_cpu_seconds(pgid: int) -> float:
+    out = subprocess.run(["ps", "-eo", "pgid=,times="], capture_output=True, text=True,
+                         check=True).stdout
+    return sum(float(t) for g, t in (line.split() for line in out.splitlines()) if int(g) == pgid)
+
+
+def test_idle_server_does_not_spin(tiny_engine: SGLangEngine):
+    # Without --sleep-on-idle the scheduler polls its sockets in a busy loop: one full core
+    # per idle server, which starved whole runs on this 2-core machine.
+    tiny_engine.ensure_alive()
+    time.sleep(2.0)
+    before = _group_cpu_seconds(tiny_engine.pid)
+    time.sleep(10.0)
+    used = _group_cpu_seconds(tiny_engine.pid) - before
+    print(f"\nidle server: {used:.1f} CPU seconds in 10 s")
+    assert used < 3.0
