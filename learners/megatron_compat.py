@@ -51,6 +51,12 @@ def cuda_present() -> bool:
     return torch.cuda.is_available()
 
 
+def distributed_optimizer_available() -> bool:
+    """megatron's DistributedOptimizer type-checks for CUDA tensors: on the CPU, data-parallel
+    ranks keep full optimizer state (plain DDP all-reduce), which is exact, only less sharded."""
+    return cuda_present()
+
+
 def _is_cuda_device(device: object) -> bool:
     if isinstance(device, torch.device):
         return device.type == "cuda"

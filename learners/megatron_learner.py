@@ -151,8 +151,8 @@ class MegatronLearner:
     @property
     def _distributed_optimizer(self) -> bool:
         # Megatron's distributed optimizer shards optimizer state over data-parallel ranks; with
-        # one DP rank there is nothing to shard.
-        return self.layout.dp_size > 1
+        # one DP rank there is nothing to shard, and it only wraps CUDA tensors.
+        return self.layout.dp_size > 1 and megatron_compat.distributed_optimizer_available()
 
     def _build_stage(self, full_state: dict[str, torch.Tensor]) -> torch.nn.Module:
         layout = self.layout

@@ -24,6 +24,12 @@ import torch.nn.functional as F
 from learners import megatron_compat  # noqa: F401  (sets the flash_mla guard before megatron)
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_tensor_model_parallel_attributes,
+)
 from megatron.core.transformer import TransformerConfig
 
 log = logging.getLogger("troupe.megatron")
@@ -155,7 +161,7 @@ def transformer_config(spec: ModelSpec, tensor_parallel: int, pipeline_parallel:
         calculate_per_token_loss=True,
         # Weights always come from a HF checkpoint: random init would be thrown away.
         perform_initialization=False,
-        use_cpu_initialization=True,
+        use_cpu_initialization=not megatron_compat.cuda_present(),
         # Fused kernels need CUDA (and TE/apex); the unfused paths are exact.
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
@@ -204,6 +210,25 @@ def build_gpt_model(spec: ModelSpec, config: TransformerConfig, pre_process: boo
             rotary_base=int(spec.rope_theta),
             rotary_percent=1.0,
         )
+    _mark_tensor_parallel_weights(model)
     if megatron_compat.cuda_present():
         model = model.cuda()
     return model
+
+
+def _mark_tensor_parallel_weights(model: GPTModel) -> None:
+    """Tag TP-split weights as megatron's initialisers would have.
+
+    megatron-core sets `tensor_model_parallel`/`partition_dim` on a parallel layer's weight
+    only inside its weight initialiser, which `perform_initialization=False` skips (the weights
+    come from the HF checkpoint). Untagged, every split weight counts as a TP duplicate, so
+    the grad norm (and clipping) under TP > 1 sees only rank 0's shard.
+    """
+    partition_dims = ((ColumnParallelLinear, 0), (VocabParallelEmbedding, 0),
+                      (RowParallelLinear, 1))
+    for module in model.modules():
+        dim = next((d for kind, d in partition_dims if isinstance(module, kind)), None)
+        weight = getattr(module, "weight", None)
+        if dim is not None and weight is not None and not hasattr(weight,
+                                                                   "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(weight, True, dim, 1)
