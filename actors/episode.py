@@ -9,6 +9,7 @@ Rewards are attached later: rule rewards inline through `reward`, coach scores t
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import time
@@ -42,7 +43,13 @@ class Action:
 
 @dataclass(frozen=True)
 class CoachRequest:
-    """Everything a coach needs to score one action (MAPPA §2.2: role, input, output, tools)."""
+    """Everything a coach needs to score one action (MAPPA §2.2: role, input, output, tools).
+
+    `context` may carry `tool_observation` (the tool feedback the action got). `on_path` is
+    False for a tree candidate the episode did not continue from; `outcome` is the episode's
+    final outcome in [0, 1], attached when the episode ends (never shown to the process-score
+    prompt; used for reward backpropagation, MAPPA appendix F, and score-vs-outcome metrics).
+    """
 
     step_id: str
     model_id: str
@@ -54,6 +61,11 @@ class CoachRequest:
     finish_reason: str
     truth: str | None = None
     context: dict[str, Any] = field(default_factory=dict)
+    problem: str = ""  # the task statement the whole team works on
+    episode_id: str = ""
+    turn: int = 0
+    on_path: bool = True
+    outcome: float | None = None
 
 
 @dataclass
@@ -103,8 +115,8 @@ class Episode:
                  round_size: int, round_index: int, group_size: int,
                  agent_models: dict[str, str],
                  routes: dict[str, ModelRoute], sampling: SamplingParams,
-                 truth: str | None = None,
-                 sync_scorer: Callable[[list[CoachRequest]], Awaitable[dict[str, float]]]
+                 truth: str | None = None, problem: str = "",
+                 sync_scorer: Callable[[list[CoachRequest]], Awaitable[dict[str, Any]]]
                  | None = None) -> None:
         self.run_id = run_id
         self.workflow = workflow
@@ -118,9 +130,14 @@ class Episode:
         self.routes = routes
         self.sampling = sampling
         self.truth = truth
+        self.problem = problem
         self.sync_scorer = sync_scorer
         self._drafts: dict[str, _Draft] = {}
         self._coach: list[CoachRequest] = []
+        self._coached: set[str] = set()  # step_ids already sent to the coach (at most once)
+        self._tree_steps: set[str] = set()  # candidates of n > 1 actions
+        self._chosen: set[str] = set()  # tree candidates the episode continued from
+        self._coach_failed: dict[str, list] = {}  # model_id -> RewardCommit, sync mode
         self.generated_tokens = 0
 
     async def act(self, agent: str, messages: list[dict[str, str]] | str, *, turn: int,
@@ -165,6 +182,8 @@ class Episode:
                 behavior_logprobs=np.asarray(gen.logprobs, dtype=np.float32),
                 token_versions=np.asarray(gen.versions, dtype=np.int32),
                 finish_reason=gen.finish_reason, created_at=time.time(), meta=row_meta))
+            if tree:
+                self._tree_steps.add(step_id)
             actions.append(Action(step_id, agent, turn, candidate, text,
                                   np.asarray(gen.response_ids, dtype=np.int32),
                                   gen.finish_reason))
@@ -178,30 +197,54 @@ class Episode:
                       outcome=outcome)
         self._drafts[step_id].rewards.update({k: v for k, v in values.items() if v is not None})
 
+    def keep(self, action: Action) -> None:
+        """Mark the tree candidate the episode continues from (its trajectory, MAPPA F.2)."""
+        self._chosen.add(action.step_id)
+
     async def coach(self, actions: list[Action], *, input_text: str,
                     context: dict[str, Any] | None = None) -> None:
-        """Ask the coach to score these actions (the training reward of each).
+        """Ask the coach to score these actions (the training reward of each), once each.
 
         Asynchronous mode (default): the requests leave with the rows and the scores arrive
         in the buffer later by step_id; the episode does not wait. Synchronous baseline
         (`sync_scorer` set, DESIGN §12): the scores are awaited here, inside the trajectory,
-        as MAPPA's loop does.
+        as MAPPA's loop does, and travel in the rows; a row the coach failed on ships
+        without a reward and its failure is committed right after (`coach_failures`).
         """
+        repeated = [a.step_id for a in actions if a.step_id in self._coached]
+        if repeated:
+            raise ValueError(f"actions {repeated} were already sent to the coach: a row's "
+                             "reward is committed exactly once")
+        self._coached.update(a.step_id for a in actions)
         requests = [CoachRequest(
             step_id=a.step_id, model_id=self.agent_models[a.agent], agent=a.agent,
             workflow=self.workflow, task_id=self.task_id, input_text=input_text,
             output_text=a.text, finish_reason=a.finish_reason, truth=self.truth,
-            context=context or {}) for a in actions]
+            context=context or {}, problem=self.problem, episode_id=self.episode_id,
+            turn=a.turn) for a in actions]
         if self.sync_scorer is None:
             self._coach.extend(requests)
             return
-        scores = await self.sync_scorer(requests)
-        for step_id, score in scores.items():
-            self._drafts[step_id].rewards.update(coach_score=score, reward=score)
+        results = await self.sync_scorer(requests)
+        for request in requests:
+            result = results[request.step_id]
+            if result.failed_reason is None:
+                self._drafts[request.step_id].rewards.update(coach_score=result.coach_score,
+                                                             reward=result.reward)
+            else:
+                self._coach_failed.setdefault(request.model_id, []).append(result.commit())
+
+    def coach_requests(self, outcome: float | None = None) -> list[CoachRequest]:
+        """The pending coach requests, with the episode's outcome and trajectory marks."""
+        return [dataclasses.replace(r, outcome=outcome,
+                                    on_path=r.step_id not in self._tree_steps
+                                    or r.step_id in self._chosen)
+                for r in self._coach]
 
     @property
-    def coach_requests(self) -> list[CoachRequest]:
-        return list(self._coach)
+    def coach_failures(self) -> dict[str, list]:
+        """Synchronous mode: FAILED commits per model, to send once the rows are buffered."""
+        return {m: list(c) for m, c in self._coach_failed.items()}
 
     @property
     def num_rows(self) -> int:

@@ -21,7 +21,7 @@ from typing import Protocol
 from actors.episode import CoachRequest, Episode, ModelRoute, SamplingParams
 from actors.workflows import WorkflowConfig, build_workflow
 from actors.workflows.base import units_per_round
-from buffers.schema import StepRecord, new_id
+from buffers.schema import RewardCommit, StepRecord, new_id
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,8 @@ class RolloutPorts(Protocol):
     async def add_rows(self, model_id: str, records: list[StepRecord]) -> bool: ...
     async def seal_episode(self, model_id: str, episode_id: str, num_rows: int) -> None: ...
     async def submit_coach(self, requests: list[CoachRequest]) -> None: ...
-    async def score_now(self, requests: list[CoachRequest]) -> dict[str, float]: ...
+    async def score_now(self, requests: list[CoachRequest]) -> dict: ...
+    async def commit_rewards(self, model_id: str, commits: list[RewardCommit]) -> None: ...
     def report(self, scalars: dict[str, float]) -> None: ...
 
 
@@ -129,7 +130,7 @@ class RolloutActor:
         return [Episode(run_id=self.run_id, workflow=self.workflow.name, task_id=task.task_id,
                         round_id=round_id, round_size=count, round_index=i, group_size=g,
                         agent_models=self.agent_models, routes=self.routes,
-                        sampling=self.sampling, truth=task.truth,
+                        sampling=self.sampling, truth=task.truth, problem=task.prompt,
                         sync_scorer=self.ports.score_now if self.cfg.sync_coach else None)
                 for i in range(count)]
 
@@ -152,7 +153,7 @@ class RolloutActor:
                                    f"{self._consecutive_failures} rounds failed in a row") from exc
             return
         self._consecutive_failures = 0
-        await self._ship(episodes)
+        await self._ship(episodes, results)
         await self.ports.shipped(units)
         self.rounds += 1
         self.episodes += len(episodes)
@@ -163,8 +164,12 @@ class RolloutActor:
         self.rows_generated += lost
         self.rows_lost[reason] += lost
 
-    async def _ship(self, episodes: list[Episode]) -> None:
-        """Buffer every row (waiting on backpressure), seal episodes, then ask the coach."""
+    async def _ship(self, episodes: list[Episode], results: list[dict[str, float]]) -> None:
+        """Buffer every row (waiting on backpressure), seal episodes, then ask the coach.
+
+        The coach requests leave only after their rows are in the buffers, so a score can
+        never arrive before its row; each carries its episode's outcome ("success").
+        """
         batches = [(ep, model_id, records) for ep in episodes
                    for model_id, records in ep.records().items()]
         total = sum(len(records) for _, _, records in batches)
@@ -182,7 +187,11 @@ class RolloutActor:
         except asyncio.CancelledError:
             self.rows_lost["run_stopped"] += total - shipped
             raise
-        requests = [r for ep in episodes for r in ep.coach_requests]
+        for ep in episodes:  # synchronous mode: rows the inline coach failed on
+            for model_id, commits in ep.coach_failures.items():
+                await self.ports.commit_rewards(model_id, commits)
+        requests = [r for ep, result in zip(episodes, results)
+                    for r in ep.coach_requests(result.get("success"))]
         if requests:
             await self.ports.submit_coach(requests)
 

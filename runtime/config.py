@@ -13,6 +13,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from actors.coach import CoachConfig
+from actors.coach.config import available_prompts
+from actors.coach.prompts import WORKFLOW_PROMPTS
 from actors.engines.sglang import EngineConfig
 from actors.rollout import RolloutConfig
 from actors.workflows import WORKFLOWS, WorkflowConfig, build_workflow
@@ -88,6 +90,19 @@ class TroupeConfig:
         if unused:
             raise ConfigError(f"models {sorted(unused)} are not used by any agent: remove them "
                               "or map an agent to them in workflow.agents")
+        if self.coach.backprop.enabled and self.rollout.sync_coach:
+            raise ConfigError("coach.backprop.enabled=true with rollout.sync_coach=true: the "
+                              "backward chain needs the episode's outcome, known only after "
+                              "the episode; set rollout.sync_coach=false")
+        if self.coach.kind == "http" and not self.coach.prompt \
+                and self.workflow.name not in WORKFLOW_PROMPTS:
+            raise ConfigError(f"coach.kind=http and coach.prompt is empty, but workflow "
+                              f"{self.workflow.name!r} has no default coach template: set "
+                              f"coach.prompt to one of {available_prompts()}")
+        unknown = (set(self.coach.roles) | set(self.coach.truth_agents)) - roles
+        if unknown:
+            raise ConfigError(f"coach.roles/coach.truth_agents name {sorted(unknown)}, not roles "
+                              f"of {self.workflow.name} ({sorted(roles)})")
         for model_id, model in self.models.items():
             want = model.learner.readiness_unit
             if model.buffer.readiness != want:

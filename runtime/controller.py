@@ -18,7 +18,7 @@ from pathlib import Path
 
 import ray
 
-from actors.coach import CoachPool, RuleCoach
+from actors.coach import CoachPool, build_coach
 from actors.engines.sglang import SGLangEngine
 from actors.workflows import build_workflow
 from buffers.clock import VersionClock
@@ -67,6 +67,7 @@ class Run:
         self.rollouts: dict[int, object] = {}
         self.rollout_refs: dict = {}
         self.restarts = 0
+        self.status_ticks = 0  # supervision rounds (the step of coach score histograms)
         self.owners: dict[int, str] = {}
         self.crashed_units: dict[str, int] = {}  # admitted units lost with crashed actors
         self.finished_rollout_stats: list[dict] = []
@@ -91,7 +92,8 @@ class Run:
         self.clock = ray.remote(VersionClock).options(num_cpus=0).remote(
             {m: (mc.learner.batch_units, mc.learner.max_staleness)
              for m, mc in cfg.models.items()})
-        coach = RuleCoach(build_workflow(cfg.workflow), cfg.coach.latency_s)
+        coach = build_coach(cfg.coach, build_workflow(cfg.workflow),
+                            str(self.run_dir / "coach_cache.jsonl"))
         self.coach = ray.remote(CoachPool).options(num_cpus=0, max_concurrency=1000).remote(
             cfg.coach, coach, BufferCommit(self.buffers))
         self.learners = {}
@@ -169,8 +171,7 @@ class Run:
         """Engine supervision plus the periodic coach/perf metrics."""
         for es in self.engines.values():
             ray.get([e.ensure_alive.remote() for e in es])
-        coach = ray.get(self.coach.stats.remote())
-        self.metrics.scalars.remote({f"coach/{k}": v for k, v in coach.items()})
+        self._coach_metrics()
         stats = ray.get([r.stats.remote() for r in self.rollouts.values()])
         elapsed = max(time.time() - self.started_at, 1e-9)
         self.metrics.scalars.remote({
@@ -178,6 +179,15 @@ class Run:
             "perf/rollout_actors": float(len(stats)),
             "perf/admission_waits": float(sum(s["admission_waits"] for s in stats)),
         })
+
+    def _coach_metrics(self) -> dict:
+        """`coach/…` scalars and per-agent score histograms; returns the pool's stats."""
+        coach, histograms = ray.get([self.coach.stats.remote(), self.coach.histograms.remote()])
+        self.metrics.scalars.remote({f"coach/{k}": v for k, v in coach.items()})
+        self.status_ticks += 1
+        for key, values in histograms.items():
+            self.metrics.histogram.remote(f"coach/{key}", values, self.status_ticks)
+        return coach
 
     def finish(self) -> dict:
         """Stop rollouts, drain buffers, account for every row; returns the summary."""
@@ -198,7 +208,7 @@ class Run:
             "run_id": self.run_id, "run_dir": str(self.run_dir),
             "wall_s": time.time() - self.started_at, "learners": learner,
             "rollouts": rollout_stats, "buffers": buffers, "drained": drained,
-            "coach": ray.get(self.coach.stats.remote()), "actor_restarts": self.restarts,
+            "coach": self._coach_metrics(), "actor_restarts": self.restarts,
             "rows": {"generated": generated, "buffered": buffered, "trained": trained,
                      "dropped": dropped, "lost_in_rollout": lost,
                      "crashed_actor_units": self.crashed_units,

@@ -48,8 +48,11 @@ class RayRolloutPorts:
     async def submit_coach(self, requests: list[CoachRequest]) -> None:
         await self.coach.submit.remote(requests)
 
-    async def score_now(self, requests: list[CoachRequest]) -> dict[str, float]:
+    async def score_now(self, requests: list[CoachRequest]) -> dict:
         return await self.coach.score_now.remote(requests)
+
+    async def commit_rewards(self, model_id: str, commits: list[RewardCommit]) -> None:
+        await self.buffers[model_id].commit_rewards.remote(commits)
 
     def report(self, scalars: dict[str, float]) -> None:
         self.metrics.scalars.remote(scalars)  # fire-and-forget: metrics never block rollouts

@@ -82,6 +82,7 @@ class ArithDuo:
         await episode.coach(drafts, input_text=solver_prompt)
         best = max(drafts, key=lambda d: self.rule_score("solver", task, d.text,
                                                           d.finish_reason, {}))
+        episode.keep(best)
         verifier_prompt = (f"Question: {task.prompt}\nSolver's work: {best.text.strip()}\n"
                            "Give the final answer as \\boxed{N}.")
         answers = await episode.act(
@@ -92,6 +93,7 @@ class ArithDuo:
         await episode.coach(answers, input_text=verifier_prompt)
         scores = [self.rule_score("verifier", task, a.text, a.finish_reason, {}) for a in answers]
         chosen = answers[max(range(k), key=scores.__getitem__)]
+        episode.keep(chosen)
         correct = boxed_answer(chosen.text)
         success = float(correct is not None and num_eq(correct, float(task.truth)))
         boxed = sum(boxed_answer(a.text) is not None for a in answers) / k

@@ -50,6 +50,12 @@ class Broken:
     async def score(self, request):
         raise TimeoutError("judge did not answer")
 
+    def stats(self):
+        return {}
+
+    async def close(self):
+        return None
+
 
 def test_failure_marks_row_failed_without_a_score():
     async def main():
@@ -73,6 +79,7 @@ def test_score_now_awaits_inline():
         scores = await pool.score_now([request("a", "\\boxed{2}"), request("b", "")])
         return scores, time.perf_counter() - start
 
-    scores, took = asyncio.run(main())
-    assert scores == {"a": pytest.approx(1.0), "b": 0.0}
+    results, took = asyncio.run(main())
+    assert {k: r.reward for k, r in results.items()} == {"a": pytest.approx(1.0), "b": 0.0}
+    assert all(r.coach_score == r.reward and r.failed_reason is None for r in results.values())
     assert took >= 0.2
