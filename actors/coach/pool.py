@@ -32,7 +32,7 @@ from actors.episode import CoachRequest
 from buffers.schema import RewardCommit
 
 log = logging.getLogger(__name__)
-SEEN_CAPACITY = 1 << 20  # step_ids remembered for the exactly-once check (~100 MB at most)
+SEEN_CAPACITY = 1 << 18  # recent step_ids kept for the exactly-once check (~40 MB at most)
 
 
 class Coach(Protocol):
