@@ -44,7 +44,7 @@ def readiness_unit(advantage: str) -> str:
 class LearnerConfig:
     """Everything one model's learner needs: estimator, loss, optimizer, batching, runtime."""
 
-    backend: str = "torch"  # learner backend, a key of learners.protocol.LEARNERS
+    backend: str = "megatron"  # learner backend, a key of learners.protocol.LEARNERS
     advantage: str = "grpo"  # estimator: "grpo" | "at_grpo" | "reinforce_pp"
     std_normalize: bool = True  # divide group advantages by the group std (False = Dr.GRPO)
     team_alpha: float = 1.0  # AT-GRPO eq. 4 weight α of the team reward: r = α·r_team + r_local
@@ -64,6 +64,8 @@ class LearnerConfig:
     dtype: str = "float32"  # parameter dtype: "float32" | "bfloat16"
     num_threads: int = 1  # torch intra-op threads of the learner process
     seed: int = 0  # torch RNG seed set when the learner is built
+    tensor_parallel: int = 1  # megatron: ranks each layer is split over (divides the KV heads)
+    pipeline_parallel: int = 1  # megatron: pipeline stages (divides the layer count)
     batch_units: int = 8  # readiness units (groups or episodes) per learner step
     max_staleness: int = 1  # η: rows with v_m − behavior_version > η are dropped (DESIGN §5)
 
@@ -126,6 +128,11 @@ class LearnerConfig:
         )
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"use one of {list(DTYPES)}")
         _check(self.num_threads >= 1, "num_threads", self.num_threads, "use an integer ≥ 1")
+        for name in ("tensor_parallel", "pipeline_parallel"):
+            value = getattr(self, name)
+            _check(value >= 1, name, value, "use an integer ≥ 1")
+            _check(value == 1 or self.backend == "megatron", name, value,
+                   "only backend='megatron' splits a model; use 1 with this backend")
         _check(self.batch_units >= 1, "batch_units", self.batch_units, "use an integer ≥ 1")
         _check(
             self.max_staleness >= 0,

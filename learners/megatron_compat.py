@@ -8,18 +8,20 @@ megatron-core 0.16 assumes a CUDA device in six places (CPU-FACTS "megatron-core
 3. literal `device="cuda"` in the pipeline schedules, the default causal mask, the optimizer
    and the grad-norm helpers,
 4. CUDA streams and `synchronize` in megatron DDP and the p2p pipeline communication,
-5. grad clipping asserting `param.grad.type() == "torch.cuda.FloatTensor"`,
+5. type checks on `tensor.type()` names: grad clipping asserts "torch.cuda.FloatTensor", the
+   mixed-precision and distributed optimizers accept only "torch.cuda.*Tensor" parameters,
 6. `get_megatron_optimizer` needing megatron DDP (whose gradients land in `main_grad`, so a
    plain torch optimizer beside it silently never learns).
 
 Fixes, all inert when CUDA is present:
 
 - `install()` (once per process): `torch.cuda.current_device` answers 0, the stream API is a
-  set of no-ops, the RNG tracker keeps CPU generator states behind the same API (1, 2, 4), and
-  the optimizer's clip helper scales CPU gradients (5);
+  set of no-ops, and the RNG tracker keeps CPU generator states behind the same API (1, 2, 4);
 - `device_scope()`: a `TorchFunctionMode` that turns every CUDA device argument — "cuda",
-  "cuda:N", an ordinal, a `torch.device` — into "cpu" (1, 3). Torch function modes are
-  per-thread, so the learner enters it around each public call rather than once.
+  "cuda:N", an ordinal, a `torch.device` — into "cpu" (1, 3), and answers `tensor.type()` with
+  the CUDA name of the tensor's type ("torch.cuda.BFloat16Tensor" for a CPU bf16 tensor), so
+  megatron's type checks see the tensors as the devices it expects (5). Torch function modes
+  are per-thread, so the learner enters it around each public call rather than once.
 - (6) needs no patch: the learner always wraps its model in megatron DDP and builds the
   optimizer with `get_megatron_optimizer`.
 
@@ -67,10 +69,14 @@ def _is_cuda_device(device: object) -> bool:
 
 
 class _CudaToCpu(TorchFunctionMode):
-    """Rewrites CUDA device arguments to "cpu" for every torch call made inside the mode."""
+    """Inside the mode: CUDA device arguments become "cpu", `tensor.type()` names read CUDA."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)  # "torch.FloatTensor" -> "torch.cuda.FloatTensor" (fix 5)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.",
+                                                                            1)
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.cuda:
@@ -166,23 +172,11 @@ class CpuRNGStatesTracker:
             torch.set_rng_state(outer)
 
 
-def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
-    """`clip_grad_by_total_norm_fp32` without its CUDA tensor-type assertion (fix 5)."""
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    attribute = "decoupled_grad" if use_decoupled_grad else "grad"
-    grads = [getattr(p, attribute) for p in parameters if getattr(p, attribute, None) is not None]
-    clip_coeff = max_norm / (total_norm + 1.0e-6)
-    if clip_coeff < 1.0 and grads:
-        torch._foreach_mul_(grads, clip_coeff)
-
-
 def install() -> None:
     """Apply the process-wide CPU fixes (idempotent; does nothing when CUDA is present)."""
     global _INSTALLED
     if _INSTALLED or cuda_present():
         return
-    from megatron.core.optimizer import optimizer as megatron_optimizer
     from megatron.core.tensor_parallel import random as megatron_random
 
     torch.cuda.current_device = lambda: 0  # fix 1: the ordinal is mapped to "cpu" in scope
@@ -194,5 +188,4 @@ def install() -> None:
     torch.cuda.synchronize = lambda device=None: None
     megatron_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()  # fix 2
     megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    megatron_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu  # fix 5
     _INSTALLED = True

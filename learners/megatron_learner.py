@@ -23,6 +23,7 @@ Tiny-CPU check: `python -m pytest tests/unit/test_megatron_learner.py`.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -38,22 +39,18 @@ from learners import megatron_compat
 from learners.batch import TrainBatch, micro_batch_indices, select_rows
 from learners.config import LearnerConfig
 from learners.losses import decoupled_ppo_loss, masked_mean
+from learners.megatron_checkpoint import load_checkpoint, read_meta, save_checkpoint
 from learners.megatron_model import ModelSpec, build_gpt_model, transformer_config, uses_te_spec
 from learners.megatron_parallel import init_parallel, is_writer, tensors_to_cpu
+from learners.megatron_ranks import FollowerRanks
 from learners.megatron_weights import gather_shards, hf_to_megatron, megatron_to_hf, shard_for_rank
 from learners.protocol import WeightRef
 from learners.torch_backend import TOKENIZER_FILES
-from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-META_FILE = "meta.json"
-DIST_DIR = "dist"  # the dist-checkpointing folder inside a checkpoint
-
 
 @dataclass
 class _MicroBatch:
@@ -103,6 +100,8 @@ class MegatronLearner:
         """
         torch.set_num_threads(cfg.num_threads)
         torch.manual_seed(cfg.seed)
+        # megatron logs its bucket layout and config at INFO; the learner's step line says more.
+        logging.getLogger("megatron").setLevel(logging.WARNING)
         self.cfg = cfg
         self.model_id = model_id
         self.model_path = model_path
@@ -116,6 +115,11 @@ class MegatronLearner:
                 "tokenizer so an engine can serve them: save the tokenizer into the model folder"
             )
         self.spec = ModelSpec.from_hf_folder(model_path)
+        self._followers = None
+        ranks = cfg.tensor_parallel * cfg.pipeline_parallel
+        if ranks > 1 and not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
+            # Driven as one object (the runtime's learner actor): spawn the other ranks.
+            self._followers = FollowerRanks(ranks, (cfg, model_id, model_path, weights_dir))
         self.layout = init_parallel(cfg.tensor_parallel, cfg.pipeline_parallel, cfg.seed)
         self.dtype = getattr(torch, cfg.dtype)
         full_state = hf_to_megatron(_load_hf_state(model_path), self.spec)
@@ -166,6 +170,17 @@ class MegatronLearner:
             raise RuntimeError(f"HF→megatron mapping of {self.model_path} left parameters "
                                f"missing={missing} unexpected={result.unexpected_keys}")
         return module
+
+    def _mirror(self, method: str, *args) -> None:
+        """Rank 0 of a self-spawned group: have the follower ranks run the same call."""
+        if self._followers is not None:
+            self._followers.mirror(method, *args)
+
+    def close(self) -> None:
+        """Stop self-spawned follower ranks (no-op otherwise)."""
+        if self._followers is not None:
+            self._followers.close()
+            self._followers = None
 
     @property
     def version(self) -> int:
@@ -263,6 +278,7 @@ class MegatronLearner:
         Every rank returns the full batch's values (pipeline and data-parallel ranks receive
         them from the ranks that computed them).
         """
+        self._mirror("logprobs", batch)
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
         with megatron_compat.device_scope():
             micro = self._micro_batches(batch)
@@ -293,6 +309,7 @@ class MegatronLearner:
         cfg = self.cfg
         if batch.num_tokens == 0:
             raise ValueError("train_step: the batch has no response tokens")
+        self._mirror("train_step", batch)
         with megatron_compat.device_scope():
             micro = self._micro_batches(batch)
             # Proximal policy = these weights before the update (AReaL's decoupled PPO).
@@ -356,6 +373,10 @@ class MegatronLearner:
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The current weights as a HF state dict (gathered over TP and PP; every rank)."""
+        self._mirror("hf_state_dict")
+        return self._gather_hf_state()
+
+    def _gather_hf_state(self) -> dict[str, torch.Tensor]:
         local = tensors_to_cpu(self.model.module.state_dict())
         layout = self.layout
         if dist.get_world_size() == 1:
@@ -378,7 +399,8 @@ class MegatronLearner:
         final = os.path.join(self.weights_dir, f"v{version}")
         if os.path.exists(final):
             raise FileExistsError(f"{final} exists; a published version is never overwritten")
-        state = self.hf_state_dict()
+        self._mirror("publish_weights", version)
+        state = self._gather_hf_state()
         if is_writer():
             os.makedirs(self.weights_dir, exist_ok=True)
             staging = os.path.join(self.weights_dir, f".v{version}.staging")
@@ -410,68 +432,22 @@ class MegatronLearner:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _sharded_state(self, is_loading: bool) -> dict:
-        model_state = self.model.module.sharded_state_dict()
-        return {"model": model_state,
-                "optimizer": self.optimizer.sharded_state_dict(model_state,
-                                                               is_loading=is_loading)}
-
     def save(self, path: str) -> None:
-        """Checkpoint weights, optimizer, version and RNG states into folder `path`.
-
-        Weights and optimizer state go through megatron's dist checkpointing (torch_dist), each
-        rank writing its shards; RNG states are per rank. Written beside `path` and renamed
-        into place by rank 0, so a crash leaves the previous checkpoint.
-        """
-        path = os.path.abspath(path)
-        staging = path + ".staging"
-        if is_writer():
-            shutil.rmtree(staging, ignore_errors=True)
-            os.makedirs(os.path.join(staging, DIST_DIR))
-        if dist.get_world_size() > 1:
-            dist.barrier()
-        with megatron_compat.device_scope():
-            dist_checkpointing.save(self._sharded_state(is_loading=False),
-                                    os.path.join(staging, DIST_DIR),
-                                    sharded_strategy=get_default_save_sharded_strategy(
-                                        "torch_dist"))
-        rng = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
-        if megatron_compat.cuda_present():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        torch.save(rng, os.path.join(staging, f"rng_rank{dist.get_rank()}.pt"))
-        if dist.get_world_size() > 1:
-            dist.barrier()
-        if is_writer():
-            with open(os.path.join(staging, META_FILE), "w") as f:
-                json.dump({"model_id": self.model_id, "version": self._version,
-                           "world_size": dist.get_world_size()}, f)
-            previous = path + ".previous"
-            if os.path.exists(path):
-                os.rename(path, previous)
-            os.rename(staging, path)
-            shutil.rmtree(previous, ignore_errors=True)
-        if dist.get_world_size() > 1:
-            dist.barrier()
+        """Checkpoint weights, optimizer, version and RNG states into folder `path`
+        (megatron dist checkpointing, see `learners.megatron_checkpoint`)."""
+        self._mirror("save", path)
+        save_checkpoint(path, self.model.module, self.optimizer,
+                        {"model_id": self.model_id, "version": self._version})
 
     def load(self, path: str) -> None:
         """Restore a checkpoint written by `save` (same model_id and world size required)."""
-        with open(os.path.join(path, META_FILE)) as f:
-            meta = json.load(f)
+        meta = read_meta(path)
         if meta["model_id"] != self.model_id:
             raise ValueError(
                 f"checkpoint {path} belongs to model {meta['model_id']!r}, not {self.model_id!r}"
             )
-        with megatron_compat.device_scope():
-            state = dist_checkpointing.load(self._sharded_state(is_loading=True),
-                                            os.path.join(path, DIST_DIR))
-            self.model.module.load_state_dict(state["model"], strict=False)
-            self.optimizer.load_state_dict(state["optimizer"])
-        rng = torch.load(os.path.join(path, f"rng_rank{dist.get_rank()}.pt"),
-                         weights_only=False)
-        torch.set_rng_state(rng["torch"])
-        get_cuda_rng_tracker().set_states(rng["tracker"])
-        if "cuda" in rng:
-            torch.cuda.set_rng_state(rng["cuda"])
+        self._mirror("load", path)
+        load_checkpoint(path, self.model.module, self.optimizer)
         self._version = int(meta["version"])
 
 

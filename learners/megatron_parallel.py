@@ -6,7 +6,8 @@ Two ways a learner process joins a process group:
   the group already exists, or `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT` describe it;
   world size = TP × PP × DP;
 - inside the runtime's Ray LearnerWorker: nothing is set, so the learner starts a world of one
-  on a free loopback port (gloo on CPU, NCCL with CUDA), which fits TP = PP = DP = 1.
+  on a free loopback port (gloo on CPU, NCCL with CUDA) when TP = PP = 1, or spawns its
+  follower ranks first (`learners.megatron_ranks`) when TP × PP > 1.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class ParallelLayout:
         return self.pp_rank == self.pp_size - 1
 
 
-def _free_loopback_port() -> int:
+def free_loopback_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -63,7 +64,7 @@ def init_parallel(tensor_parallel: int, pipeline_parallel: int, seed: int) -> Pa
             dist.init_process_group(backend)
         else:
             dist.init_process_group(
-                backend, init_method=f"tcp://127.0.0.1:{_free_loopback_port()}", rank=0,
+                backend, init_method=f"tcp://127.0.0.1:{free_loopback_port()}", rank=0,
                 world_size=1)
     world = dist.get_world_size()
     if world % (tensor_parallel * pipeline_parallel):
@@ -94,13 +95,9 @@ def init_parallel(tensor_parallel: int, pipeline_parallel: int, seed: int) -> Pa
     )
 
 
-def stage_first_rank() -> int:
-    """Global rank 0 writes shared files (published weights, checkpoint metadata)."""
-    return 0
-
-
 def is_writer() -> bool:
-    return dist.get_rank() == stage_first_rank()
+    """Global rank 0 writes shared files (published weights, checkpoint metadata)."""
+    return dist.get_rank() == 0
 
 
 def tensors_to_cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -2,7 +2,8 @@
 
 Callers (the runtime) see only `Learner`, `WeightRef` and `build_learner`. Backends are named
 by import path and imported on first use, so this module stays free of torch and of any
-backend's heavy imports, and a new backend (megatron) is one registry line.
+backend's heavy imports: "torch" (transformers + AdamW) and "megatron" (megatron-core, the
+default) are one registry line each.
 """
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ class Learner(Protocol):
 # name -> "module:Class"; imported lazily by build_learner.
 LEARNERS: dict[str, str] = {
     "torch": "learners.torch_backend:TorchLearner",
+    "megatron": "learners.megatron_learner:MegatronLearner",
 }
 
 

@@ -58,6 +58,14 @@ def test_rng_tracker_forks_a_reproducible_named_stream():
         tracker.add("other", 1234)
 
 
+def test_tensor_type_names_read_as_cuda_inside_the_scope():
+    with megatron_compat.device_scope():
+        assert torch.zeros(1).type() == "torch.cuda.FloatTensor"  # fix 5
+        assert torch.zeros(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+        assert torch.zeros(1).type(torch.float64).dtype == torch.float64  # conversions untouched
+    assert torch.zeros(1).type() == "torch.FloatTensor"
+
+
 def test_megatron_grad_norm_and_clip_run_on_cpu_gradients():
     from megatron.core.optimizer import optimizer as megatron_optimizer
     from megatron.core.optimizer.clip_grads import get_grad_norm_fp32

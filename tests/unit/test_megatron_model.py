@@ -82,9 +82,9 @@ def _megatron_logits(spec: ModelSpec, hf_state, input_ids):
     assert not result.unexpected_keys
     assert all(k.endswith("_extra_state") for k in result.missing_keys), result.missing_keys
     length = input_ids.shape[1]
+    causal = torch.triu(torch.ones(length, length, dtype=torch.bool), 1)[None, None]
     with torch.no_grad(), megatron_compat.device_scope():
-        logits = model.eval()(input_ids, torch.arange(length)[None].expand_as(input_ids),
-                              torch.triu(torch.ones(length, length, dtype=torch.bool), 1)[None, None])
+        logits = model.eval()(input_ids, torch.arange(length)[None].expand_as(input_ids), causal)
     return logits[..., : spec.vocab_size], model
 
 
@@ -94,7 +94,8 @@ def test_logits_match_transformers(family, tied, tmp_path):
     hf_model, spec = _random_hf(family, tied, tmp_path)
     assert (spec.family, spec.tied, spec.qkv_bias, spec.qk_norm) == (
         family, tied, family == "qwen2", family == "qwen3")
-    input_ids = torch.randint(0, spec.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    input_ids = torch.randint(0, spec.vocab_size, (2, 17),
+                              generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = hf_model(input_ids=input_ids).logits
     got, _ = _megatron_logits(spec, hf_model.state_dict(), input_ids)
@@ -148,7 +149,8 @@ def test_smollm2_real_weights_match_transformers():
     spec = ModelSpec.from_hf_folder(str(path))
     assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rope_theta) == (9, 3, 64, 1e5)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    input_ids = torch.randint(0, spec.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
+    input_ids = torch.randint(0, spec.vocab_size, (2, 24),
+                              generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = hf_model(input_ids=input_ids).logits
     got, _ = _megatron_logits(spec, load_file(str(path / "model.safetensors")), input_ids)

@@ -124,8 +124,8 @@ def test_reference_kl_is_reported(model_path, tmp_path):
 
 
 def test_publish_weights_writes_a_loadable_hf_folder(model_path, tmp_path):
-    lrn = build_learner(dataclasses.replace(LearnerConfig(), lr=1e-2), "m", model_path,
-                        str(tmp_path / "weights"))
+    lrn = build_learner(dataclasses.replace(LearnerConfig(backend="torch"), lr=1e-2), "m",
+                        model_path, str(tmp_path / "weights"))
     lrn.train_step(make_batch([[20, 21]], [1.0]))
     ref = lrn.publish_weights(1)
     assert ref == WeightRef("m", 1, str(tmp_path / "weights" / "v1"))
