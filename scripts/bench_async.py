@@ -1,10 +1,13 @@
-"""Asynchronous vs synchronous throughput with a slow coach (DESIGN §12).
+"""Asynchronous vs synchronous throughput with a slow HTTP coach (DESIGN §12).
 
-The same arith_duo workload on the tiny model, with a RuleCoach of 0 s and 3 s latency, in
-async mode (η ≥ 1, coach off the critical path) and synchronous mode (η = 0, coach awaited
-inside the episode). Prints rewarded rows trained per second (after a warm-up step) and the
-learner busy fraction of each, then the ratios. CPU:
-    python scripts/bench_async.py                 # ~6-10 minutes on 2 cores
+The same arith_duo workload on the tiny model, scored by the HTTP coach (`coach.kind=http`)
+talking to a loopback OpenAI-compatible judge this script starts (actors/coach/loopback.py)
+that answers `PROCESS_SCORE: N` after a server-side delay of 0.5 s, 3 s and 10 s; in async
+mode (η = 2, coach off the critical path) and synchronous mode (η = 0, coach awaited inside
+the episode). Prints rewarded rows trained per second (after a warm-up step) and the
+learner busy fraction of each, then the ratios. `--coach rule` uses the RuleCoach's injected
+latency instead of HTTP. CPU:
+    python scripts/bench_async.py                 # ~15-20 minutes on 2 cores
     python scripts/bench_async.py --steps 6 --latencies 3
 Cluster: the same command inside `ray job submit --working-dir . -- python scripts/...`.
 The last line reads `async/sync throughput at 3s coach: <ratio>`.
@@ -18,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from actors.coach.loopback import LoopbackJudge  # noqa: E402
 from runtime.config import load_config  # noqa: E402
 from runtime.controller import run  # noqa: E402
 
@@ -31,10 +35,21 @@ BASE = [
 ]
 
 
-def measure(steps: int, latency: float, mode: str, runs_dir: str) -> dict:
+def coach_overrides(coach: str, latency: float, judge: LoopbackJudge | None) -> list[str]:
+    if coach == "rule":
+        return [f"coach.latency_s={latency}"]
+    assert judge is not None
+    judge.set(delay_s=latency)
+    return ["coach.kind=http", "coach.cache.enabled=false",
+            f"coach.endpoints=[{{name: loopback, base_url: '{judge.base_url}', model: judge, "
+            f"timeout_s: {latency + 30}, max_concurrency: 64}}]"]
+
+
+def measure(steps: int, latency: float, mode: str, runs_dir: str, coach: str,
+            judge: LoopbackJudge | None) -> dict:
     eta = 0 if mode == "sync" else 2
-    overrides = BASE + [
-        f"run.max_steps={steps}", f"run.runs_dir={runs_dir}", f"coach.latency_s={latency}",
+    overrides = BASE + coach_overrides(coach, latency, judge) + [
+        f"run.max_steps={steps}", f"run.runs_dir={runs_dir}",
         f"models.policy.learner.max_staleness={eta}",
         f"rollout.sync_coach={'true' if mode == 'sync' else 'false'}",
     ]
@@ -46,23 +61,34 @@ def measure(steps: int, latency: float, mode: str, runs_dir: str) -> dict:
     rows = sum(r for _, r, _ in rest)
     busy = sum(b for _, _, b in rest)
     return {"rows_per_s": rows / elapsed, "busy_fraction": busy / elapsed,
-            "unaccounted": summary["rows"]["unaccounted"]}
+            "unaccounted": summary["rows"]["unaccounted"],
+            "coach_failures": summary["coach"]["failures"],
+            "coach_p50_s": summary["coach"]["latency_p50_s"]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="learner steps per setting")
-    parser.add_argument("--latencies", type=float, nargs="+", default=[0.0, 3.0])
+    parser.add_argument("--latencies", type=float, nargs="+", default=[0.5, 3.0, 10.0],
+                        help="coach latency (server-side delay of the judge), seconds")
+    parser.add_argument("--coach", choices=("http", "rule"), default="http")
     parser.add_argument("--runs-dir", default="runs/bench")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    judge = LoopbackJudge() if args.coach == "http" else None
     results = {}
-    for latency in args.latencies:
-        for mode in ("async", "sync"):
-            results[latency, mode] = measure(args.steps, latency, mode, args.runs_dir)
-            r = results[latency, mode]
-            print(f"coach {latency:>4.1f}s  {mode:<5}  rows/s {r['rows_per_s']:8.2f}  "
-                  f"learner busy {r['busy_fraction']:6.1%}", flush=True)
+    try:
+        for latency in args.latencies:
+            for mode in ("async", "sync"):
+                results[latency, mode] = r = measure(args.steps, latency, mode, args.runs_dir,
+                                                     args.coach, judge)
+                print(f"coach {latency:>4.1f}s  {mode:<5}  rows/s {r['rows_per_s']:8.2f}  "
+                      f"learner busy {r['busy_fraction']:6.1%}  coach p50 "
+                      f"{r['coach_p50_s']:5.2f}s  coach failures {r['coach_failures']:.0f}  "
+                      f"unaccounted rows {r['unaccounted']}", flush=True)
+    finally:
+        if judge is not None:
+            judge.close()
     print()
     print(f"{'coach':>7} {'async rows/s':>13} {'sync rows/s':>12} {'ratio':>7} "
           f"{'busy async':>11} {'busy sync':>10}")
