@@ -63,25 +63,31 @@ class _MicroBatch:
 
 
 def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, loss_mask: torch.Tensor,
-                   temperature: float, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   temperature: float, entropy: str = "none"
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs of `target_ids` and per-token entropy at the rollout temperature.
 
     Args:
         logits: [B, L, V] (V = the HF vocabulary: megatron's padding rows already cut off).
         target_ids, loss_mask: [B, L].
-        entropy_grad: keep the entropy differentiable (for an entropy bonus).
+        entropy: "none" (skip: a full-vocabulary softmax saved), "metric" (no gradient) or
+            "grad" (differentiable, for an entropy bonus).
 
     Returns:
-        (logprobs float32 [B, L], 0 off the mask; entropy float32 [B, L]).
+        (logprobs float32 [B, L], 0 off the mask; entropy float32 [B, L] or None).
     """
     # float32 before the softmax: bf16 log-softmax errors are as large as the corrections.
-    logits = logits.float() / temperature
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
     log_norm = torch.logsumexp(logits, dim=-1)
     target_logits = logits.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
     logprobs = torch.where(loss_mask > 0, target_logits - log_norm, 0.0)
-    source = logits if entropy_grad else logits.detach()
-    entropy = torch.logsumexp(source, -1) - (torch.softmax(source, -1) * source).sum(-1)
-    return logprobs, entropy
+    if entropy == "none":
+        return logprobs, None
+    source = logits if entropy == "grad" else logits.detach()
+    norm = log_norm if entropy == "grad" else log_norm.detach()
+    return logprobs, norm - (torch.softmax(source, -1) * source).sum(-1)
 
 
 class MegatronLearner:
@@ -130,7 +136,7 @@ class MegatronLearner:
             self.model = DistributedDataParallel(
                 config=module.config,
                 ddp_config=DistributedDataParallelConfig(
-                    grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                    grad_reduce_in_fp32=self.dtype == torch.float32, overlap_grad_reduce=False,
                     use_distributed_optimizer=self._distributed_optimizer),
                 module=module)
             self.optimizer = get_megatron_optimizer(
@@ -221,8 +227,7 @@ class MegatronLearner:
         batch = micro.batch
         logprobs, _ = token_logprobs(logits[..., : self.spec.vocab_size],
                                      batch.target_ids.to(logits.device),
-                                     batch.loss_mask.to(logits.device), self.cfg.temperature,
-                                     entropy_grad=False)
+                                     batch.loss_mask.to(logits.device), self.cfg.temperature)
         return logprobs.detach().float().cpu()
 
     def _loss(self, micro: _MicroBatch, logits: torch.Tensor):
@@ -231,7 +236,7 @@ class MegatronLearner:
         batch = _to_device(micro.batch, logits.device)
         logp, entropy = token_logprobs(logits[..., : self.spec.vocab_size], batch.target_ids,
                                        batch.loss_mask, cfg.temperature,
-                                       entropy_grad=cfg.entropy_coef > 0)
+                                       entropy="grad" if cfg.entropy_coef > 0 else "metric")
         ref = micro.ref_logp.to(logits.device) if micro.ref_logp is not None else None
         loss, metrics = decoupled_ppo_loss(
             logp, micro.prox_logp.to(logits.device), batch.behavior_logprobs, batch.advantages,
