@@ -97,7 +97,7 @@ def test_a_hung_call_times_out_and_is_retried(judge):
     coach = LLMCoach(make_cfg(judge, endpoint=dict(timeout_s=1.0)), "arith_duo")
     start = time.monotonic()
     (verdict,) = run(scored(coach, request(1)))
-    assert 1.0 <= time.monotonic() - start < 3.0
+    assert 1.0 <= time.monotonic() - start < 4.0  # one timeout, then a prompt answer
     assert verdict.score == parse_verdict(judge.replies[-1][1]).score
     assert coach.stats()["member/j0/errors/timeout"] == 1
 
@@ -108,7 +108,7 @@ def test_slow_answers_are_awaited_within_the_timeout(judge):
     start = time.monotonic()
     verdicts = run(scored(coach, *(request(i) for i in range(6))))
     assert all(v.score is not None for v in verdicts)
-    assert time.monotonic() - start < 1.5  # concurrent, not one after another
+    assert time.monotonic() - start < 2.5  # concurrent (one after another takes 3 s)
 
 
 def test_rate_limit_holds(judge):
