@@ -75,5 +75,6 @@ class BufferStats:
     rows_trained: int  # rows handed out by sample
     dropped: dict  # reason -> rows dropped, every DROP_REASONS key present
     late_commits: int  # commits for rows no longer held (already trained or dropped)
+    repeat_commits: int  # commits refused because the row already had its reward
     backpressure_refusals: int  # try_add calls refused for capacity
     resident_bytes: int  # Arrow buffers + numpy state + index structures

@@ -18,6 +18,7 @@ A plain class: `runtime/` wraps it as an actor; unit tests build it directly.
 from __future__ import annotations
 
 import heapq
+import logging
 import sys
 import time
 from collections import Counter, OrderedDict
@@ -30,11 +31,14 @@ from buffers.schema import (
     DROP_REASONS, REWARD_COLUMNS, STEP_SCHEMA, RewardColumns, RewardCommit, Status, StepBatch,
     StepRecord,
 )
+
 from buffers.api import BufferConfig, BufferStats, ReadyBatch  # noqa: F401 (public here too)
 from buffers.ingest import (
     FIXED_COLUMNS, LABEL_COLUMNS, STORED_SCHEMA, Arrival, LabelCodes, as_wire, read_arrival,
 )
 from buffers.store import ChunkStore, StoreConfig
+
+log = logging.getLogger(__name__)
 
 _PENDING, _READY, _FAILED, _DROPPED = (int(s) for s in Status)  # plain ints: enum lookups are slow in hot loops
 _FIXED_TYPES = {name: STEP_SCHEMA.field(name).type for name in FIXED_COLUMNS}
@@ -85,7 +89,7 @@ class ReplayBuffer:
         self._seq = 0
         self._closed: OrderedDict = OrderedDict()  # recently closed unit id -> reason or None
         self._live = 0
-        self._rows_added = self._rows_trained = self._late = self._refusals = 0
+        self._rows_added = self._rows_trained = self._late = self._refusals = self._repeats = 0
         self._dropped = Counter({reason: 0 for reason in DROP_REASONS})
         self._dropped_units = 0
 
@@ -201,6 +205,18 @@ class ReplayBuffer:
         found = list(map(self._index.get, c.step_ids))
         known = [i for i, row in enumerate(found) if row is not None]
         self._late += len(found) - len(known)
+        # A row's reward is written once: a second `reward` for a row that already has one is
+        # refused and counted (the coach pool enforces exactly-once; this guards every other
+        # writer). Other components (reward_local, coach_score, ...) still apply.
+        if c.reward is not None:
+            again = [i for i in known if status[found[i] - self._base] != _PENDING
+                     and not np.isnan(c.reward[i])]
+            if again:
+                self._repeats += len(again)
+                log.warning("%s: refused %d reward commit(s) for rows already rewarded",
+                            self.model_id, len(again))
+                skip = set(again)
+                known = [i for i in known if i not in skip]
         if not known:
             return
         if len(known) < len(found):
@@ -317,7 +333,8 @@ class ReplayBuffer:
         return BufferStats(
             pending_rows=self._live - ready_rows, ready_rows=ready_rows, ready_units=len(self._ready),
             rows_added=self._rows_added, rows_trained=self._rows_trained, dropped=dict(self._dropped),
-            late_commits=self._late, backpressure_refusals=self._refusals,
+            late_commits=self._late, repeat_commits=self._repeats,
+            backpressure_refusals=self._refusals,
             resident_bytes=int(self._store.nbytes + sum(a.nbytes for a in arrays) + index + units),
         )
 

@@ -123,7 +123,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TroupeCon
         merged = OmegaConf.structured(TroupeConfig)
         if path is not None:
             merged = OmegaConf.merge(merged, OmegaConf.load(path))
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        for override in overrides:
+            merged = _apply_override(merged, override)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         where = f" in {path}" if path else ""
@@ -132,6 +133,23 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TroupeCon
         where = f" in {path}" if path else ""
         raise ConfigError(f"config error{where}: {exc}") from None
     assert isinstance(cfg, TroupeConfig)
+    return cfg
+
+
+def _apply_override(cfg, override: str):
+    """One `key=value` (keys may index lists: `coach.endpoints[0].model=x` or `...endpoints.0...`)."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {override!r}: expected key=value, e.g. run.max_steps=10")
+    try:
+        return OmegaConf.merge(cfg, OmegaConf.from_dotlist([override]))
+    except TypeError:
+        pass  # the key indexes a list: a dotlist merge cannot address one element
+    value = OmegaConf.from_dotlist([f"value={raw}"])["value"]  # same value parsing as above
+    try:
+        OmegaConf.update(cfg, key, value, merge=True, force_add=False)
+    except (TypeError, IndexError, KeyError) as exc:
+        raise ConfigError(f"override {override!r}: {exc}") from None
     return cfg
 
 

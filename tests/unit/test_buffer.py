@@ -322,7 +322,7 @@ def test_reward_columns_match_commit_lists():
     assert [buf.stats().late_commits for buf in bufs] == [1, 1]
 
 
-def test_reward_columns_repeated_ids_apply_in_order_and_bad_values_raise():
+def test_reward_columns_repeated_ids_first_reward_wins_and_bad_values_raise():
     buf = ReplayBuffer("m", BufferConfig())
     rows = _rows("g", 2)
     buf.try_add(rows)
@@ -330,7 +330,9 @@ def test_reward_columns_repeated_ids_apply_in_order_and_bad_values_raise():
     buf.commit_rewards(RewardColumns(ids, reward=np.array([0.1, 0.9, 0.3], np.float32),
                                      reward_local=np.array([0.2, np.nan, np.nan], np.float32)))
     table = buf.sample(1, 0, 0).table
-    assert table.column("reward").to_numpy().tolist() == pytest.approx([0.9, 0.3])
+    # in order: the first reward makes the row READY, the second is refused and counted
+    assert table.column("reward").to_numpy().tolist() == pytest.approx([0.1, 0.3])
+    assert buf.stats().repeat_commits == 1
     assert table.column("reward_local").to_pylist()[0] == pytest.approx(0.2)  # NaN left it as it was
     with pytest.raises(ValueError, match="must be finite"):
         RewardColumns(ids[:1], reward=np.array([np.inf], np.float32))
@@ -363,3 +365,18 @@ def test_null_in_a_required_column_is_refused():
     table = table.set_column(column, "group_size", pa.array([4, None], pa.int16()))
     with pytest.raises(ValueError, match="group_size has nulls"):
         ReplayBuffer("m", BufferConfig()).try_add(table)
+
+
+def test_a_second_reward_for_a_rewarded_row_is_refused_and_counted():
+    buf = ReplayBuffer("m", BufferConfig())
+    rows = _rows(size=2)
+    assert buf.try_add(rows)
+    buf.commit_rewards([RewardCommit(rows[0].step_id, reward=0.25)])
+    buf.commit_rewards([RewardCommit(rows[0].step_id, reward=0.75),
+                        RewardCommit(rows[1].step_id, reward=0.5)])
+    assert buf.stats().repeat_commits == 1
+    batch = buf.sample(1, current_version=0, max_staleness=4)
+    rewards = dict(zip(batch.table.column("step_id").to_pylist(),
+                       batch.table.column("reward").to_pylist()))
+    assert rewards == {rows[0].step_id: 0.25, rows[1].step_id: 0.5}
+    _invariant(buf)

@@ -65,3 +65,14 @@ def test_readiness_must_match_estimator():
 def test_temperature_mismatch_is_refused():
     with pytest.raises(ConfigError, match="temperature"):
         load_config(CONFIGS[0], ["rollout.temperature=0.7"])
+
+
+def test_overrides_index_lists_and_bad_indexes_are_config_errors():
+    http = Path(__file__).resolve().parents[2] / "configs" / "arith_duo_http.yaml"
+    cfg = load_config(http, ["coach.endpoints[0].model=judge-a"])
+    assert cfg.coach.endpoints[0].model == "judge-a"
+    assert load_config(http, ["coach.endpoints.0.model=judge-b"]).coach.endpoints[0].model == "judge-b"
+    with pytest.raises(ConfigError, match="endpoints"):
+        load_config(http, ["coach.endpoints[7].model=x"])
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(http, ["run.max_steps"])
