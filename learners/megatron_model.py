@@ -31,6 +31,8 @@ from megatron.core.tensor_parallel.layers import (
     set_tensor_model_parallel_attributes,
 )
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
 
 log = logging.getLogger("troupe.megatron")
 
@@ -185,7 +187,35 @@ def layer_spec(spec: ModelSpec):
             log.warning("CUDA without Transformer Engine (%s): using the local layer spec", err)
         else:
             return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
-    return get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    local = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    local.submodules.self_attention.submodules.core_attention = SdpaAttention
+    return local
+
+
+class SdpaAttention(DotProductAttention):
+    """megatron's local `DotProductAttention` computed by torch's fused SDPA kernel.
+
+    The stock local attention materialises [b, heads, s, s] scores (baddbmm, masked softmax,
+    bmm, and a copy of K/V per query head); SDPA's kernel does the same causal softmax
+    attention without them, with grouped-query heads shared in place. Batches are right-padded,
+    so causal attention is exact for every real token. Anything else the stock module supports
+    (packed sequences, attention bias, softmax offsets, other mask types) goes to it.
+    """
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if (packed_seq_params is not None or attention_bias is not None
+                or self.softmax_offset is not None or mask_type != AttnMaskType.causal):
+            return super().forward(query, key, value, attention_mask, attn_mask_type,
+                                   attention_bias, packed_seq_params)
+        # [s, b, heads, d] -> [b, heads, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        context = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1],
+            dropout_p=self.config.attention_dropout if self.training else 0.0)
+        seq, batch = query.shape[0], query.shape[1]
+        return context.permute(2, 0, 1, 3).reshape(seq, batch, self.hidden_size_per_partition)
 
 
 def uses_te_spec(model: GPTModel) -> bool:
