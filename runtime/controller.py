@@ -80,9 +80,12 @@ class Run:
         self.metrics.text.remote("config", "```\n" + to_yaml(cfg) + "\n```")
         engine_actor = ray.remote(SGLangEngine).options(num_cpus=0, max_concurrency=4)
         for model_id, mc in cfg.models.items():
+            # A GPU run (engine.device=cuda) reserves the GPUs each engine's server uses.
+            gpus = mc.engine.tp_size if mc.engine.device == "cuda" else 0
             self.engines[model_id] = [
-                engine_actor.remote(f"{model_id}-{i}", self.model_paths[model_id], mc.engine,
-                                    str(self.run_dir / "logs"))
+                engine_actor.options(num_gpus=gpus).remote(
+                    f"{model_id}-{i}", self.model_paths[model_id], mc.engine,
+                    str(self.run_dir / "logs"))
                 for i in range(mc.engines)]
         log.info("starting %d engine server(s)…", sum(map(len, self.engines.values())))
         urls = {m: ray.get([e.start.remote() for e in es]) for m, es in self.engines.items()}
@@ -99,8 +102,12 @@ class Run:
         self.learners = {}
         for model_id, mc in cfg.models.items():
             pad_id = _pad_id(self.model_paths[model_id])
+            # On GPUs the learner actor holds one GPU per megatron rank (TP x PP; its follower
+            # ranks are processes of this actor, DESIGN §6).
+            gpus = (mc.learner.tensor_parallel * mc.learner.pipeline_parallel
+                    if mc.engine.device == "cuda" else 0)
             self.learners[model_id] = ray.remote(LearnerWorker).options(
-                num_cpus=cfg.run.learner_cpus, max_concurrency=8).remote(
+                num_cpus=cfg.run.learner_cpus, num_gpus=gpus, max_concurrency=8).remote(
                 model_id, mc.learner, self.model_paths[model_id], str(self.run_dir),
                 self.buffers[model_id], self.clock, self.engines[model_id], self.metrics,
                 cfg.run.keep_weights, pad_id)
