@@ -78,12 +78,12 @@ class Run:
         self.metrics = ray.remote(MetricsWriter).options(num_cpus=0).remote(
             str(self.run_dir / "tensorboard"))
         self.metrics.text.remote("config", "```\n" + to_yaml(cfg) + "\n```")
-        engine_actor = ray.remote(SGLangEngine).options(num_cpus=0, max_concurrency=4)
         for model_id, mc in cfg.models.items():
             # A GPU run (engine.device=cuda) reserves the GPUs each engine's server uses.
             gpus = mc.engine.tp_size if mc.engine.device == "cuda" else 0
             self.engines[model_id] = [
-                engine_actor.options(num_gpus=gpus).remote(
+                ray.remote(SGLangEngine).options(
+                    num_cpus=0, num_gpus=gpus, max_concurrency=4).remote(
                     f"{model_id}-{i}", self.model_paths[model_id], mc.engine,
                     str(self.run_dir / "logs"))
                 for i in range(mc.engines)]
