@@ -45,7 +45,7 @@ from learners.megatron_parallel import init_parallel, is_writer, tensors_to_cpu
 from learners.megatron_ranks import FollowerRanks
 from learners.megatron_weights import gather_shards, hf_to_megatron, megatron_to_hf, shard_for_rank
 from learners.protocol import WeightRef
-from learners.torch_backend import TOKENIZER_FILES
+from learners.torch_backend import tokenizer_files
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed import finalize_model_grads
@@ -112,14 +112,7 @@ class MegatronLearner:
         self.model_id = model_id
         self.model_path = model_path
         self.weights_dir = weights_dir
-        self._tokenizer_files = [
-            name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(model_path, name))
-        ]
-        if "tokenizer_config.json" not in self._tokenizer_files:
-            raise FileNotFoundError(
-                f"{model_path} has no tokenizer_config.json; published weights must carry the "
-                "tokenizer so an engine can serve them: save the tokenizer into the model folder"
-            )
+        self._tokenizer_files = tokenizer_files(model_path)
         self.spec = ModelSpec.from_hf_folder(model_path)
         self._followers = None
         ranks = cfg.tensor_parallel * cfg.pipeline_parallel

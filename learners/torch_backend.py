@@ -42,6 +42,18 @@ STATE_FILE = "learner_state.pt"
 META_FILE = "meta.json"
 
 
+def tokenizer_files(model_path: str) -> list[str]:
+    """The tokenizer files of `model_path` that published weights copy along (the engines
+    serve a published folder on its own, so it must carry the tokenizer)."""
+    names = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(model_path, name))]
+    if "tokenizer_config.json" not in names:
+        raise FileNotFoundError(
+            f"{model_path} has no tokenizer_config.json; published weights must carry the "
+            "tokenizer so an engine can serve them: save the tokenizer into the model folder"
+        )
+    return names
+
+
 class TorchLearner:
     """Trains one model with decoupled PPO; see the module docstring for the step structure."""
 
@@ -62,14 +74,7 @@ class TorchLearner:
         self.model_id = model_id
         self.model_path = model_path
         self.weights_dir = weights_dir
-        self._tokenizer_files = [
-            name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(model_path, name))
-        ]
-        if "tokenizer_config.json" not in self._tokenizer_files:
-            raise FileNotFoundError(
-                f"{model_path} has no tokenizer_config.json; published weights must carry the "
-                "tokenizer so an engine can serve them: save the tokenizer into the model folder"
-            )
+        self._tokenizer_files = tokenizer_files(model_path)
         self.model = self._load_model()
         # Reference policy for the k3 KL term: the initial weights, frozen.
         self.reference = self._load_model().requires_grad_(False) if cfg.kl_beta > 0 else None

@@ -1,0 +1,47 @@
+"""Shared by the learner backend tests: a tiny random Llama on disk and a TrainBatch builder."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from buffers.schema import StepRecord, records_to_table
+from learners.batch import TrainBatch, build_train_batch
+
+VOCAB = 64
+PAD = 0
+
+
+def write_tiny_llama(path: str) -> str:
+    """A randomly initialised 2-layer Llama (hidden 32, 4 heads, 2 KV heads, vocab 64) with a
+    word-level tokenizer, saved as a HF folder at `path`."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, pad_token_id=PAD)
+    LlamaForCausalLM(config).save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="t1"))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t1",
+                            pad_token="t0").save_pretrained(path)
+    return path
+
+
+def make_batch(responses, advantages, behavior=None, prompt=(5, 6, 7)) -> TrainBatch:
+    """One group of rows with the given responses, advantages and behaviour logprobs."""
+    records = [
+        StepRecord(
+            step_id=f"s{i}", run_id="r", model_id="m", agent="a", workflow="w", task_id="t",
+            episode_id="e", branch="", turn=0, group_key=b"k" * 16, group_size=len(responses),
+            candidate=i, prompt_ids=np.array(prompt, np.int32),
+            response_ids=np.array(r, np.int32),
+            behavior_logprobs=np.array(behavior[i] if behavior else [-4.0] * len(r), np.float32),
+            token_versions=np.zeros(len(r), np.int32), finish_reason="stop", reward=0.0,
+        )
+        for i, r in enumerate(responses)
+    ]
+    return build_train_batch(records_to_table(records), np.array(advantages, np.float32), PAD)
