@@ -111,7 +111,9 @@ def test_tensor_parallel_learner_as_one_ray_actor(single_process, tmp_path):
     from learners.megatron_learner import MegatronLearner
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep sockets on loopback
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
+    started = not ray.is_initialized()  # an earlier run in this session keeps its Ray instance
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False)
     try:
         cfg = LearnerConfig(backend="megatron", lr=1e-2, micro_batch_tokens=16, num_threads=1,
                             tensor_parallel=2)
@@ -122,8 +124,10 @@ def test_tensor_parallel_learner_as_one_ray_actor(single_process, tmp_path):
         steps = [ray.get(actor.train_step.remote(batch)) for _ in range(2)]
         ref = ray.get(actor.publish_weights.remote(2))
         ray.get(actor.close.remote())
+        ray.kill(actor)
     finally:
-        ray.shutdown()
+        if started:
+            ray.shutdown()
     expected_logprobs, expected_steps, expected_state = single_process
     torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-5, rtol=1e-5)
     for got, expected in zip(steps, expected_steps):
