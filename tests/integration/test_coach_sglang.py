@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
-from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -77,6 +76,18 @@ async def play_rounds(policy_url: str, tokenizer, pool: CoachPool, buffer: Repla
     return step_ids
 
 
+def play_then_close(policy_url: str, tokenizer, pool: CoachPool, buffer: ReplayBuffer,
+                    rounds: int, sync: bool) -> list[str]:
+    """`play_rounds`, then close the pool (which waits for its in-flight scores)."""
+    async def main():
+        try:
+            return await play_rounds(policy_url, tokenizer, pool, buffer, rounds, sync)
+        finally:
+            await pool.close()
+
+    return asyncio.run(main())
+
+
 def judge_cfg(url: str, model: str, prompt: str, **endpoint) -> CoachConfig:
     return CoachConfig(kind="http", prompt=prompt,
                        roles={"solver": "Problem Solver", "verifier": "Verifier"},
@@ -99,13 +110,7 @@ def test_tiny_engine_judge_unparsable_path_end_to_end(tiny_engine, tiny_model_pa
     pool = CoachPool(cfg, coach, commit)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
 
-    async def main():
-        try:
-            return await play_rounds(tiny_engine.url, tokenizer, pool, buffer, 2, sync)
-        finally:
-            await pool.close()
-
-    step_ids = asyncio.run(main())
+    step_ids = play_then_close(tiny_engine.url, tokenizer, pool, buffer, 2, sync)
     stats, coach_stats = buffer.stats(), pool.stats()
     assert len(step_ids) == 8  # 2 rounds x (2 solver + 2 verifier candidates)
     assert stats.dropped["failed"] == 8 and stats.ready_rows == 0 and stats.pending_rows == 0
@@ -136,13 +141,7 @@ def test_smollm_judge_scores_every_row_through_constrained_decoding(tiny_engine,
         pool = CoachPool(cfg, LLMCoach(cfg, "arith_duo"), commit)
         tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
 
-        async def main():
-            try:
-                return await play_rounds(tiny_engine.url, tokenizer, pool, buffer, 2, False)
-            finally:
-                await pool.close()
-
-        step_ids = asyncio.run(main())
+        step_ids = play_then_close(tiny_engine.url, tokenizer, pool, buffer, 2, False)
     finally:
         judge.close()
     stats, coach_stats = buffer.stats(), pool.stats()

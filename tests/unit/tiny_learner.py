@@ -45,3 +45,11 @@ def make_batch(responses, advantages, behavior=None, prompt=(5, 6, 7)) -> TrainB
         for i, r in enumerate(responses)
     ]
     return build_train_batch(records_to_table(records), np.array(advantages, np.float32), PAD)
+
+
+def on_policy_batch(lrn, responses, advantages) -> TrainBatch:
+    """Behaviour logprobs = the learner's own, as if sampled by an engine at its version."""
+    probe = make_batch(responses, advantages)
+    current = lrn.logprobs(probe)
+    behavior = [current[i][probe.loss_mask[i] > 0].tolist() for i in range(len(responses))]
+    return make_batch(responses, advantages, behavior)
