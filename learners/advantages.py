@@ -117,6 +117,122 @@ def at_grpo(
     return grpo(mixed, group_ids, std_normalize=std_normalize)
 
 
+def _tree_path(branch: str, candidate: int) -> str:
+    """The tree position of a candidate: its branch with its own index appended.
+
+    "" and 2 give "2"; "0" and 2 give "0.2" (DESIGN §3's dotted "tree path of chosen
+    candidates"). It is the `parent_branch` a workflow must pass to the actions that continue
+    from this candidate; arith_duo's one branching level passes `str(best.candidate)`, the
+    same string for a root candidate.
+    """
+    return f"{branch}.{candidate}" if branch else str(candidate)
+
+
+def _passes_through(branch: str, prefix: str) -> bool:
+    """Whether tree path `branch` runs through `prefix`, component-wise ("12" does not pass
+    through "1"; every path passes through the root "")."""
+    return not prefix or branch == prefix or branch.startswith(prefix + ".")
+
+
+def tree_paths(
+    episode_ids: Sequence[Hashable],
+    agents: Sequence[Hashable],
+    turns: np.ndarray,
+    branches: Sequence[str],
+    candidates: np.ndarray,
+) -> tuple[list[str], np.ndarray]:
+    """Where each row sits on its episode's tree, read from the branch strings alone.
+
+    A *node* is the rows of one (episode, agent, turn, branch): the candidates drawn from one
+    prompt. It *branched* when it holds several rows, or when it holds one row whose tree path
+    (`branch.candidate`) some row of the episode continued from and no later node shares its
+    branch (a one-action node's candidate is its round index, which can coincide with a later
+    choice; a node that branched is the last one on its branch, since everything after it
+    carries the longer path). A row was *kept* when its node did not branch (the only action
+    taken there) or when some row's branch runs through its tree path.
+
+    Rows absent from the table cannot testify: the kept candidate of an episode's last
+    branching node, or one continued only by another model's agents (whose rows live in
+    another buffer), looks unkept, so it adds nothing to earlier returns of its agent. Only
+    a workflow whose agent acts at two branching levels meets this (arith_duo does not); a
+    row-level mark of `Episode.keep` would lift it.
+
+    Args:
+        episode_ids, agents: [N] hashable ids.
+        turns: int [N]; branches: [N] str tree paths ("", "2", "0.2"); candidates: int [N].
+
+    Returns:
+        (anchors [N] str: the path a later row's branch must run through to follow this row —
+        its tree path if its node branched, else its own branch; kept bool [N]).
+    """
+    turns = np.asarray(turns)
+    candidates = np.asarray(candidates)
+    rows = range(len(turns))
+    paths = [_tree_path(branches[i], int(candidates[i])) for i in rows]
+    continued: set[tuple[Hashable, str]] = set()  # (episode, every non-empty prefix of a branch)
+    last_turn: dict[tuple[Hashable, str], int] = {}
+    node_size: dict[tuple, int] = {}
+    for i in rows:
+        episode, branch, turn = episode_ids[i], branches[i], int(turns[i])
+        parts = branch.split(".") if branch else []
+        continued.update((episode, ".".join(parts[:k])) for k in range(1, len(parts) + 1))
+        last_turn[episode, branch] = max(turn, last_turn.get((episode, branch), turn))
+        node = (episode, agents[i], turn, branch)
+        node_size[node] = node_size.get(node, 0) + 1
+    anchors, kept = [], np.zeros(len(turns), dtype=bool)
+    for i in rows:
+        episode, branch, turn = episode_ids[i], branches[i], int(turns[i])
+        was_continued = (episode, paths[i]) in continued
+        branched = node_size[episode, agents[i], turn, branch] > 1 or (
+            was_continued and turn == last_turn[episode, branch])
+        anchors.append(paths[i] if branched else branch)
+        kept[i] = was_continued or not branched
+    return anchors, kept
+
+
+def path_returns(
+    rewards: np.ndarray,
+    episode_ids: Sequence[Hashable],
+    agents: Sequence[Hashable],
+    turns: np.ndarray,
+    branches: Sequence[str],
+    candidates: np.ndarray,
+) -> np.ndarray:
+    """Undiscounted return-to-go along each action's trajectory (MAPPA eq. 1 / eq. 3; DESIGN §6).
+
+    MAPPA sums A_t = Σ_{τ≥t} r_τ (γ = 1) along each agent's trajectory. Here that is r_t plus
+    the rewards of the *kept* actions of the same agent in the same episode at later turns
+    on its path, i.e. whose branch runs through its anchor (`tree_paths`). With tree
+    sampling the candidates drawn from one prompt are alternatives: a sibling is never a term
+    of another's return, and a candidate nobody continued from has only its own reward.
+    Joint / parallel sampling (one action per node, empty branches) is one trajectory per
+    (episode, agent): plain return-to-go in turn order.
+
+    A Python pass per trajectory (rows × its rows); rows are one per action, so few.
+
+    Args:
+        rewards: float [N] per-action rewards (already KL-penalised where that applies).
+        episode_ids, agents, turns, branches, candidates: [N] as in `tree_paths`.
+
+    Returns:
+        float64 [N].
+    """
+    r = np.asarray(rewards, dtype=np.float64)
+    turns = np.asarray(turns)
+    anchors, kept = tree_paths(episode_ids, agents, turns, branches, candidates)
+    trajectory, num_trajectories = _factorize(list(zip(episode_ids, agents)))
+    members = np.argsort(trajectory, kind="stable")
+    bounds = np.searchsorted(trajectory[members], np.arange(num_trajectories + 1))
+    returns = r.copy()
+    for t in range(num_trajectories):
+        rows = members[bounds[t]:bounds[t + 1]]
+        for i in rows:
+            follows = [j for j in rows if turns[j] > turns[i] and kept[j]
+                       and _passes_through(branches[j], anchors[i])]
+            returns[i] += r[follows].sum()
+    return returns
+
+
 def reinforce_pp(
     rewards: np.ndarray,
     episode_ids: Sequence[Hashable],
@@ -128,45 +244,36 @@ def reinforce_pp(
     kl: np.ndarray | None = None,
     beta: float = 0.0,
 ) -> np.ndarray:
-    """REINFORCE++ advantage as MAPPA uses it (eq. 1; appendix E.2 eqs. 2–4).
+    """REINFORCE++ advantage as MAPPA uses it (eq. 1; appendix E.2 eqs. 2–4; DESIGN §6).
 
-    r_t = reward_t − β·KL_t; A_t = Σ_{τ≥t} r_τ (undiscounted return-to-go) over the same agent's
-    actions in the same episode, ordered by (turn, branch, candidate); then one global
-    normalisation over all tokens of the batch: each row weighs as many tokens as its response
-    has, μ = Σ L_i A_i / Σ L_i, σ² = Σ L_i (A_i − μ)² / Σ L_i (population variance, eq. 4),
-    Â = (A − μ) / sqrt(σ² + 1e-8). Rows of an empty response carry no weight in μ and σ.
+    r_t = reward_t − β·KL_t (eq. 2); A_t = the undiscounted return-to-go of r along the
+    action's own trajectory (eq. 3, `path_returns`: with tree sampling the kept path, siblings
+    never summed); then one global normalisation over all tokens of the batch: each row weighs
+    as many tokens as its response has, μ = Σ L_i A_i / Σ L_i, σ² = Σ L_i (A_i − μ)² / Σ L_i
+    (population variance, eq. 4), Â = (A − μ) / sqrt(σ² + 1e-8). Rows of an empty response
+    carry no weight in μ and σ.
 
     Args:
         rewards: float [N] per-action reward (coach score), no NaN.
-        episode_ids, agents: [N] hashable ids; (episode, agent) is one trajectory.
-        turns: int [N]; branches: [N] str tree paths; candidates: int [N] (tie breakers).
+        episode_ids, agents: [N] hashable ids; (episode, agent) holds one agent's actions.
+        turns: int [N]; branches: [N] str tree paths; candidates: int [N] (see `tree_paths`).
         response_lengths: int [N] response tokens per row.
-        kl: float [N] per-action KL to the reference policy, or None for zeros.
+        kl: float [N] per-action KL to the reference policy (`learners.prepare.row_kl`);
+            required when β > 0.
         beta: the KL penalty β.
 
     Returns:
         float32 [N].
     """
     r = np.asarray(rewards, dtype=np.float64)
-    n = len(r)
     if np.isnan(r).any():
         raise ValueError(f"reinforce_pp: {int(np.isnan(r).sum())} rows have no reward (NaN)")
-    if kl is not None:
+    if beta > 0:
+        if kl is None:
+            raise ValueError("reinforce_pp: beta > 0 needs the per-row KL to the reference "
+                             "policy; build the batch with learners.prepare.prepare_batch")
         r = r - beta * np.asarray(kl, dtype=np.float64)
-    trajectory, _ = _factorize(list(zip(episode_ids, agents)))
-    # np.unique sorts strings, giving a deterministic branch order for same-turn ties.
-    _, branch_rank = np.unique(np.asarray(branches, dtype=str), return_inverse=True)
-    order = np.lexsort((np.asarray(candidates), branch_rank, np.asarray(turns), trajectory))
-    r_sorted = r[order]
-    traj_sorted = trajectory[order]
-    running = np.cumsum(r_sorted)
-    # Return-to-go = (trajectory total up to its last row) − (running sum before this row).
-    is_last = np.ones(n, dtype=bool)
-    is_last[:-1] = traj_sorted[1:] != traj_sorted[:-1]
-    last_index = np.flatnonzero(is_last)
-    segment_end = last_index[np.searchsorted(last_index, np.arange(n))]
-    returns = np.empty(n)
-    returns[order] = running[segment_end] - running + r_sorted
+    returns = path_returns(r, episode_ids, agents, turns, branches, candidates)
 
     weights = np.asarray(response_lengths, dtype=np.float64)
     total = weights.sum()
@@ -232,7 +339,8 @@ def compute_advantages(
         cfg: learner config (advantage, std_normalize, team_alpha, reward_kl_beta).
         table: rows in STEP_SCHEMA, every one rewarded.
         kl: optional float [N] per-action KL to the reference policy; only reinforce_pp uses
-            it (MAPPA eq. 1, weighted by `cfg.reward_kl_beta`).
+            it (MAPPA eq. 1, weighted by `cfg.reward_kl_beta`, which then requires it).
+            `learners.prepare.prepare_batch` computes it and calls this function.
 
     Returns:
         float32 [N], in the row order of `table`.

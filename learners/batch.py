@@ -16,7 +16,7 @@ Prompts must be non-empty: the first response token needs a position that predic
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import pyarrow as pa
@@ -135,6 +135,23 @@ def build_train_batch(table: pa.Table, advantages: np.ndarray, pad_id: int) -> T
         seq_lens=torch.from_numpy(seq_lens),
         num_tokens=int(response_lens.sum()),
     )
+
+
+def with_advantages(batch: TrainBatch, advantages: np.ndarray) -> TrainBatch:
+    """`batch` with its advantages replaced: row b's `advantages[b]` on its loss tokens.
+
+    Lets a caller build the batch first (the reference forward of `learners.prepare` needs
+    its tensors) and set the advantages once they are known; the other tensors are shared.
+
+    Args:
+        batch: B rows.
+        advantages: float [B], one advantage per row.
+    """
+    if len(advantages) != batch.num_rows:
+        raise ValueError(f"with_advantages: {len(advantages)} advantages for "
+                         f"{batch.num_rows} rows")
+    per_row = torch.as_tensor(np.asarray(advantages, dtype=np.float32))[:, None]  # [B, 1]
+    return replace(batch, advantages=torch.where(batch.loss_mask > 0, per_row, 0.0))
 
 
 def micro_batch_indices(seq_lens: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:

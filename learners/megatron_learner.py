@@ -144,9 +144,10 @@ class MegatronLearner:
             self.model_config.finalize_model_grads_func = finalize_model_grads
             self.model_config.no_sync_func = self.model.no_sync
             self.model_config.grad_scale_func = self.optimizer.scale_loss
-            # Reference policy for the k3 KL term: the initial weights, frozen, no DDP.
+            # Reference policy: the initial weights, frozen, no DDP. The loss's k3 term
+            # (kl_beta) and the reinforce_pp reward penalty (reward_kl_beta) both use it.
             self.reference = None
-            if cfg.kl_beta > 0:
+            if cfg.kl_beta > 0 or cfg.reward_kl_beta > 0:
                 self.reference = self._build_stage(full_state).requires_grad_(False).eval()
         self._forward_backward = get_forward_backward_func()
         self._version = 0
@@ -277,10 +278,23 @@ class MegatronLearner:
         them from the ranks that computed them).
         """
         self._mirror("logprobs", batch)
+        return self._batch_logprobs(self.model, batch)
+
+    def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Reference-policy logprobs of `batch.target_ids`, as `logprobs` returns them."""
+        if self.reference is None:
+            raise ValueError("reference_logprobs: this learner has no reference policy; set "
+                             "learner.reward_kl_beta > 0 or learner.kl_beta > 0")
+        self._mirror("reference_logprobs", batch)
+        return self._batch_logprobs(self.reference, batch)
+
+    def _batch_logprobs(self, model, batch: TrainBatch) -> torch.Tensor:
+        """Logprobs of `batch.target_ids` under `model` (the policy's DDP wrapper or the
+        reference stage), float32 [B, L], gathered onto every rank."""
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
         with megatron_compat.device_scope():
             micro = self._micro_batches(batch)
-            values = self._stage_logprobs(self.model, micro)
+            values = self._stage_logprobs(model, micro)
         if self.layout.last_stage:
             for part, value in zip(micro, values):
                 real_rows, length = len(part.rows), int(batch.seq_lens[part.rows].max())
@@ -313,7 +327,7 @@ class MegatronLearner:
             # Proximal policy = these weights before the update (AReaL's decoupled PPO).
             for part, prox in zip(micro, self._stage_logprobs(self.model, micro)):
                 part.prox_logp = prox
-            if self.reference is not None:
+            if cfg.kl_beta > 0:  # the loss's k3 term (a reference for rewards alone: skip)
                 for part, ref in zip(micro, self._stage_logprobs(self.reference, micro)):
                     part.ref_logp = ref
             sums: dict[str, torch.Tensor] = {}

@@ -49,6 +49,16 @@ class Learner(Protocol):
         """
         ...
 
+    def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Per-token logprobs of `batch.target_ids` under the frozen reference policy (the
+        initial weights), no gradient. Built when `kl_beta > 0` or `reward_kl_beta > 0`;
+        otherwise a ValueError naming those fields.
+
+        Returns:
+            float32 [B, L], aligned with `batch.loss_mask` (0 where the mask is 0).
+        """
+        ...
+
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """Apply one decoupled-PPO update on `batch`; returns scalar metrics as floats."""
         ...

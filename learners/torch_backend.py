@@ -76,8 +76,10 @@ class TorchLearner:
         self.weights_dir = weights_dir
         self._tokenizer_files = tokenizer_files(model_path)
         self.model = self._load_model()
-        # Reference policy for the k3 KL term: the initial weights, frozen.
-        self.reference = self._load_model().requires_grad_(False) if cfg.kl_beta > 0 else None
+        # Reference policy: the initial weights, frozen. The loss's k3 term (kl_beta) and the
+        # KL penalty in reinforce_pp rewards (reward_kl_beta, MAPPA eq. 1) both measure to it.
+        needs_reference = cfg.kl_beta > 0 or cfg.reward_kl_beta > 0
+        self.reference = self._load_model().requires_grad_(False) if needs_reference else None
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
@@ -124,14 +126,25 @@ class TorchLearner:
         return logprobs, entropy
 
     @torch.no_grad()
-    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """Current-policy logprobs of `batch.target_ids`, float32 [B, L], 0 off the loss mask."""
+    def _batch_logprobs(self, model: PreTrainedModel, batch: TrainBatch) -> torch.Tensor:
+        """Logprobs of `batch.target_ids` under `model`, micro-batched, float32 [B, L]."""
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
         for rows in micro_batch_indices(batch.seq_lens, self.cfg.micro_batch_tokens):
             part = select_rows(batch, rows)
-            logprobs, _ = self._token_logprobs(self.model, part)
+            logprobs, _ = self._token_logprobs(model, part)
             out[rows, : logprobs.shape[1]] = logprobs
         return out
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Current-policy logprobs of `batch.target_ids`, float32 [B, L], 0 off the loss mask."""
+        return self._batch_logprobs(self.model, batch)
+
+    def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Reference-policy logprobs of `batch.target_ids`, float32 [B, L], 0 off the mask."""
+        if self.reference is None:
+            raise ValueError("reference_logprobs: this learner has no reference policy; set "
+                             "learner.reward_kl_beta > 0 or learner.kl_beta > 0")
+        return self._batch_logprobs(self.reference, batch)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One decoupled-PPO update (`ppo_epochs` optimizer steps); version += 1.
@@ -153,7 +166,7 @@ class TorchLearner:
         with torch.no_grad():
             # Proximal policy = these weights before the update (AReaL's decoupled PPO).
             prox = [self._token_logprobs(self.model, mb)[0] for mb in parts]
-            if self.reference is not None:
+            if cfg.kl_beta > 0:  # the loss's k3 term (a reference for rewards alone: skip)
                 ref = [self._token_logprobs(self.reference, mb)[0] for mb in parts]
             else:
                 ref = [None] * len(parts)

@@ -14,7 +14,9 @@ from learners.advantages import (
     at_grpo_rewards,
     compute_advantages,
     grpo,
+    path_returns,
     reinforce_pp,
+    tree_paths,
 )
 from learners.config import READINESS_UNITS, LearnerConfig, readiness_unit
 
@@ -133,14 +135,127 @@ def test_reinforce_pp_kl_penalty_flows_to_earlier_turns():
     np.testing.assert_allclose(adv, (returns - mu) / np.sqrt(var + 1e-8), rtol=1e-5)
 
 
-def test_reinforce_pp_orders_ties_by_branch_then_candidate():
-    # Same episode, agent, turn: order is branch "0" < "1", then candidate 0 < 1.
-    # Sorted rewards [1 (b0,c0), 2 (b0,c1), 4 (b1,c0)] -> returns [7, 6, 4].
-    adv = reinforce_pp(np.array([4.0, 2.0, 1.0]), ["e"] * 3, ["a"] * 3, np.zeros(3, int),
-                       ["1", "0", "0"], np.array([0, 1, 0]), np.ones(3, int))
-    returns = np.array([4.0, 6.0, 7.0])
-    expected = (returns - returns.mean()) / np.sqrt(returns.var() + 1e-8)
-    np.testing.assert_allclose(adv, expected, rtol=1e-5)
+def _normalised(returns, lengths):
+    """MAPPA eq. 4 on hand-computed returns: token-weighted mean, population variance."""
+    returns, w = np.asarray(returns, float), np.asarray(lengths, float)
+    mu = (w * returns).sum() / w.sum()
+    var = (w * (returns - mu) ** 2).sum() / w.sum()
+    return (returns - mu) / np.sqrt(var + 1e-8)
+
+
+def _tree_rows(rows):
+    """(episode, agent, turn, branch, candidate, reward) tuples -> reinforce_pp arguments."""
+    episodes, agents, turns, branches, candidates, rewards = zip(*rows)
+    return (np.array(rewards, float), episodes, agents, np.array(turns), list(branches),
+            np.array(candidates))
+
+
+def test_reinforce_pp_siblings_are_alternatives_not_terms_of_each_others_return():
+    # The reported case: one episode's verifier drew 4 candidates (turn 1, continuing from
+    # solver candidate 2), all rewarded 1; another episode's verifier got 0. The old code
+    # summed siblings in candidate order (returns 4, 3, 2, 1). Each candidate is its own
+    # trajectory's last action here, so returns = [1, 1, 1, 1, 0]: μ = 0.8, σ² = 0.16,
+    # Â = 0.2 / 0.4 = 0.5 for the four and −0.8 / 0.4 = −2 for the other.
+    rows = [("e1", "verifier", 1, "2", c, 1.0) for c in range(4)]
+    rows.append(("e2", "verifier", 1, "0", 0, 0.0))
+    adv = reinforce_pp(*_tree_rows(rows), np.full(5, 3))
+    np.testing.assert_allclose(adv, [0.5, 0.5, 0.5, 0.5, -2.0], rtol=1e-6)
+
+
+# A tree-sampled episode on one model shared by two agents (AT-GRPO tree sampling):
+#   turn 0  solver    K=3 from the root (branch "")       -> the episode keeps candidate 1
+#   turn 1  verifier  K=3 continuing it (branch "1")      -> keeps candidate 2
+#   turn 2  solver    K=2 refining     (branch "1.2")     -> keeps candidate 0
+#   turn 3  verifier  one action (n=1, candidate = round index 0, branch "1.2.0")
+# "Kept" is read from the branches: verifier t1 candidate 2 is kept because the rows of turn 2
+# carry branch "1.2"; solver t2 candidate 0 because the turn-3 row carries "1.2.0".
+TREE = [
+    ("e", "solver", 0, "", 0, 0.1), ("e", "solver", 0, "", 1, 0.5), ("e", "solver", 0, "", 2, 0.2),
+    ("e", "verifier", 1, "1", 0, 0.3), ("e", "verifier", 1, "1", 1, 0.0),
+    ("e", "verifier", 1, "1", 2, 0.6),
+    ("e", "solver", 2, "1.2", 0, 0.9), ("e", "solver", 2, "1.2", 1, 0.4),
+    ("e", "verifier", 3, "1.2.0", 0, 1.0),
+]
+# Return-to-go along each candidate's own path, over the same agent's kept actions:
+#   solver t0 c0: 0.1 (nobody continued from it)          solver t0 c2: 0.2
+#   solver t0 c1: 0.5 + 0.9 (its kept refinement, t2 c0)  = 1.4   (not + 0.4: t2 c1 not kept)
+#   verifier t1 c0: 0.3    verifier t1 c1: 0.0
+#   verifier t1 c2: 0.6 + 1.0 (the turn-3 verifier action on its path) = 1.6
+#   solver t2 c0: 0.9      solver t2 c1: 0.4      verifier t3: 1.0
+TREE_RETURNS = [0.1, 1.4, 0.2, 0.3, 0.0, 1.6, 0.9, 0.4, 1.0]
+
+
+def test_path_returns_follow_the_kept_branch_of_the_same_agent():
+    np.testing.assert_allclose(path_returns(*_tree_rows(TREE)), TREE_RETURNS, atol=1e-12)
+    anchors, kept = tree_paths(*_tree_rows(TREE)[1:])
+    assert anchors == ["0", "1", "2", "1.0", "1.1", "1.2", "1.2.0", "1.2.1", "1.2.0"]
+    assert kept.tolist() == [False, True, False, False, False, True, True, False, True]
+
+
+def test_reinforce_pp_tree_episode_normalised_globally():
+    # Token weights (response lengths) [1, 2, 1, 1, 1, 2, 1, 1, 2] (Σ = 12) over the returns
+    # above: μ = (0.1 + 2.8 + 0.2 + 0.3 + 0 + 3.2 + 0.9 + 0.4 + 2.0) / 12 = 9.9 / 12 = 0.825.
+    lengths = [1, 2, 1, 1, 1, 2, 1, 1, 2]
+    adv = reinforce_pp(*_tree_rows(TREE), np.array(lengths))
+    np.testing.assert_allclose(adv, _normalised(TREE_RETURNS, lengths), rtol=1e-5)
+    w = np.array(lengths)
+    assert abs((w * np.array(TREE_RETURNS)).sum() / w.sum() - 0.825) < 1e-12
+    assert abs((w * adv).sum()) < 1e-5
+
+
+def test_tree_from_table_with_reward_kl():
+    # β = 0.5, KL = 0.4 on solver t2 c0 and 1.0 on verifier t1 c1: their rewards become
+    # 0.9 − 0.2 = 0.7 and 0.0 − 0.5 = −0.5, so solver t0 c1 returns 0.5 + 0.7 = 1.2.
+    records = [make_record(i, episode=e, agent=a, turn=t, branch=b, candidate=c, reward=r,
+                           response_len=1)
+               for i, (e, a, t, b, c, r) in enumerate(TREE)]
+    kl = np.array([0, 0, 0, 0, 1.0, 0, 0.4, 0, 0])
+    cfg = LearnerConfig(advantage="reinforce_pp", reward_kl_beta=0.5)
+    adv = compute_advantages(cfg, records_to_table(records), kl)
+    returns = [0.1, 1.2, 0.2, 0.3, -0.5, 1.6, 0.7, 0.4, 1.0]
+    np.testing.assert_allclose(adv, _normalised(returns, np.ones(9)), rtol=1e-5)
+    with pytest.raises(ValueError, match="prepare_batch"):
+        compute_advantages(cfg, records_to_table(records))  # β > 0 never silently ignored
+
+
+def test_one_action_node_before_a_branching_node_on_the_same_branch():
+    # Tree mode gives an n=1 action candidate = round index 0, which here equals the later
+    # choice: planner t0 (n=1, ""), planner t1 K=2 ("") keeps 0, planner t2 (n=1, "0").
+    # t0's own path "0" is continued, but t1 is a later node on its branch, so t0 did not
+    # branch: its return runs over everything kept after it: 1 + 2 + 8 = 11 (not + 4).
+    # t1 c0: 2 + 8 = 10; t1 c1: 4 (not kept, nothing follows); t2: 8.
+    rows = [("e", "p", 0, "", 0, 1.0), ("e", "p", 1, "", 0, 2.0), ("e", "p", 1, "", 1, 4.0),
+            ("e", "p", 2, "0", 0, 8.0)]
+    np.testing.assert_allclose(path_returns(*_tree_rows(rows)), [11, 10, 4, 8])
+
+
+def test_tree_paths_compare_whole_components():
+    # Candidates 1 and 12 of one node (the others failed); the episode continued from 12.
+    # Branch "12" must not count as passing through candidate 1's path "1".
+    rows = [("e", "a", 0, "", 1, 1.0), ("e", "a", 0, "", 12, 2.0), ("e", "a", 1, "12", 0, 4.0)]
+    np.testing.assert_allclose(path_returns(*_tree_rows(rows)), [1, 6, 4])
+
+
+def test_last_branching_node_adds_nothing_to_earlier_returns():
+    # The documented limit: which of the final K candidates the episode kept is in no row
+    # (nothing continues from it), so neither adds to the turn-0 return: 1, not 1 + 2 + 4.
+    rows = [("e", "a", 0, "", 0, 1.0), ("e", "a", 1, "0", 0, 2.0), ("e", "a", 1, "0", 1, 4.0)]
+    np.testing.assert_allclose(path_returns(*_tree_rows(rows)), [1, 2, 4])
+
+
+def test_joint_sampling_keeps_plain_return_to_go():
+    # MAGRPO-style joint rollouts: n=1 per act, empty branches, candidate = round index
+    # (e1 is round index 0, e2 index 3). Per (episode, agent), in turn order:
+    #   e1/a turns 0,1,2 rewards 1,2,4 -> 7,6,4;  e1/b turns 0,1 rewards 0.5,0.25 -> 0.75,0.25
+    #   e2/a turns 0,1 rewards 3,-1 -> 2,-1
+    rows = [("e1", "a", 2, "", 0, 4.0), ("e2", "a", 0, "", 3, 3.0), ("e1", "b", 1, "", 0, 0.25),
+            ("e1", "a", 0, "", 0, 1.0), ("e2", "a", 1, "", 3, -1.0), ("e1", "a", 1, "", 0, 2.0),
+            ("e1", "b", 0, "", 0, 0.5)]
+    returns = [4, 2, 0.25, 7, -1, 6, 0.75]
+    np.testing.assert_allclose(path_returns(*_tree_rows(rows)), returns)
+    lengths = np.array([1, 2, 3, 1, 2, 3, 1])
+    np.testing.assert_allclose(reinforce_pp(*_tree_rows(rows), lengths),
+                               _normalised(returns, lengths), rtol=1e-5)
 
 
 def test_reinforce_pp_from_table_reads_lengths_and_ids():

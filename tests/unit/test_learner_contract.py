@@ -5,13 +5,18 @@ test_torch_learner.py and test_megatron_learner.py.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from learners.advantages import compute_advantages
+from learners.batch import build_train_batch
 from learners.config import LearnerConfig
+from learners.prepare import prepare_batch
 from learners.protocol import build_learner
-from tiny_learner import make_batch, on_policy_batch, write_tiny_llama
+from tiny_learner import (PAD, make_batch, make_table, on_policy_batch, policy_logprobs,
+                          write_tiny_llama)
 
 torch.set_num_threads(1)
 BACKENDS = ["torch", "megatron"]
@@ -61,3 +66,57 @@ def test_reference_kl_is_reported(backend, model_path, tmp_path):
     second = lrn.train_step(batch)
     assert first["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # still the reference weights
     assert second["kl_ref"] > 0.0
+
+
+def _reference_logprobs(model_path, batch) -> torch.Tensor:
+    """Logprobs under the initial weights, from a plain HF forward (temperature 1)."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    return torch.log_softmax(logits, -1).gather(-1, batch.target_ids[..., None])[..., 0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prepare_batch_charges_the_reference_kl(backend, model_path, tmp_path):
+    cfg_fields = {"advantage": "reinforce_pp", "reward_kl_beta": 0.5}
+    lrn = learner(backend, model_path, tmp_path, **cfg_fields)
+    responses, rewards, turns = [[20, 21, 22], [30], [40, 41]], [1.0, 0.0, 0.5], [0, 1, 2]
+
+    # Sampled at the initial weights: behaviour = reference, so every row's KL is 0.
+    table = make_table(responses, policy_logprobs(lrn, responses), rewards=rewards, turns=turns)
+    _, _, metrics = prepare_batch(lrn, lrn.cfg, table, PAD)
+    assert metrics["reward_kl_mean"] == pytest.approx(0.0, abs=1e-5)
+
+    for _ in range(2):  # move the policy away from the reference
+        lrn.train_step(make_batch([[20, 21]], [1.0]))
+    table = make_table(responses, policy_logprobs(lrn, responses), rewards=rewards, turns=turns)
+    batch, advantages, metrics = prepare_batch(lrn, lrn.cfg, table, PAD)
+
+    # By hand: KL_b = mean over row b's response tokens of (behaviour − reference logprob).
+    mask = batch.loss_mask
+    ref = _reference_logprobs(model_path, batch)
+    kl = (((batch.behavior_logprobs - ref) * mask).sum(-1) / mask.sum(-1)).double().numpy()
+    assert np.abs(kl).min() > 1e-3  # the policy did move
+    assert metrics["reward_kl_mean"] == pytest.approx(kl.mean(), abs=1e-5)
+    assert metrics["reward_kl_penalty_mean"] == pytest.approx(0.5 * kl.mean(), abs=1e-5)
+    # r_t − β·KL_t feeds the return-to-go over turns 0, 1, 2 of the one trajectory.
+    expected = compute_advantages(lrn.cfg, table, kl)
+    np.testing.assert_allclose(advantages, expected, atol=1e-4)
+    assert not np.allclose(advantages, compute_advantages(LearnerConfig(advantage="reinforce_pp"),
+                                                          table), atol=1e-3)
+    torch.testing.assert_close(batch.advantages,
+                               build_train_batch(table, advantages, PAD).advantages)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prepare_batch_without_reward_kl(backend, model_path, tmp_path):
+    lrn = learner(backend, model_path, tmp_path, advantage="reinforce_pp")
+    table = make_table([[20, 21], [30]], rewards=[1.0, 0.0], turns=[0, 1])
+    batch, advantages, metrics = prepare_batch(lrn, lrn.cfg, table, PAD)
+    assert metrics == {}
+    np.testing.assert_array_equal(advantages, compute_advantages(lrn.cfg, table))
+    expected = build_train_batch(table, advantages, PAD)
+    for name in ("input_ids", "loss_mask", "target_ids", "behavior_logprobs", "advantages"):
+        torch.testing.assert_close(getattr(batch, name), getattr(expected, name))
+    with pytest.raises(ValueError, match="reward_kl_beta"):  # no reference was built
+        lrn.reference_logprobs(batch)

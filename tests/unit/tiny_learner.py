@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import torch
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
@@ -31,25 +32,38 @@ def write_tiny_llama(path: str) -> str:
     return path
 
 
-def make_batch(responses, advantages, behavior=None, prompt=(5, 6, 7)) -> TrainBatch:
-    """One group of rows with the given responses, advantages and behaviour logprobs."""
+def make_table(responses, behavior=None, prompt=(5, 6, 7), rewards=None, turns=None) -> pa.Table:
+    """Rows of one episode and agent in STEP_SCHEMA: the given responses, behaviour logprobs
+    (default −4 per token), rewards (default 0) and turns (default all 0: one group)."""
     records = [
         StepRecord(
             step_id=f"s{i}", run_id="r", model_id="m", agent="a", workflow="w", task_id="t",
-            episode_id="e", branch="", turn=0, group_key=b"k" * 16, group_size=len(responses),
-            candidate=i, prompt_ids=np.array(prompt, np.int32),
+            episode_id="e", branch="", turn=turns[i] if turns else 0, group_key=b"k" * 16,
+            group_size=len(responses), candidate=i, prompt_ids=np.array(prompt, np.int32),
             response_ids=np.array(r, np.int32),
             behavior_logprobs=np.array(behavior[i] if behavior else [-4.0] * len(r), np.float32),
-            token_versions=np.zeros(len(r), np.int32), finish_reason="stop", reward=0.0,
+            token_versions=np.zeros(len(r), np.int32), finish_reason="stop",
+            reward=rewards[i] if rewards else 0.0,
         )
         for i, r in enumerate(responses)
     ]
-    return build_train_batch(records_to_table(records), np.array(advantages, np.float32), PAD)
+    return records_to_table(records)
+
+
+def make_batch(responses, advantages, behavior=None, prompt=(5, 6, 7)) -> TrainBatch:
+    """One group of rows with the given responses, advantages and behaviour logprobs."""
+    table = make_table(responses, behavior, prompt)
+    return build_train_batch(table, np.array(advantages, np.float32), PAD)
+
+
+def policy_logprobs(lrn, responses) -> list[list[float]]:
+    """The learner's current logprobs of each response, per row (what an engine serving its
+    weights would report as behaviour logprobs)."""
+    probe = make_batch(responses, [0.0] * len(responses))
+    current = lrn.logprobs(probe)
+    return [current[i][probe.loss_mask[i] > 0].tolist() for i in range(len(responses))]
 
 
 def on_policy_batch(lrn, responses, advantages) -> TrainBatch:
     """Behaviour logprobs = the learner's own, as if sampled by an engine at its version."""
-    probe = make_batch(responses, advantages)
-    current = lrn.logprobs(probe)
-    behavior = [current[i][probe.loss_mask[i] > 0].tolist() for i in range(len(responses))]
-    return make_batch(responses, advantages, behavior)
+    return make_batch(responses, advantages, policy_logprobs(lrn, responses))
