@@ -1,9 +1,10 @@
-"""One SGLang server process per engine: launch, health, restart, weight updates (DESIGN §7).
+"""One SGLang server process per engine: launch, supervision, restart, weight updates (DESIGN §7).
 
 `SGLangEngine` is a plain class; `runtime` wraps it as a Ray actor. It owns the server
 subprocess (its own process group, so the scheduler and detokenizer children die with it),
 the log file, and the version of the weights the server holds. Rollout actors never talk to
 this class on the hot path: they call the server's HTTP API through `EngineClient`.
+`ensure_alive` tells a slow server from a dead one with `actors.engines.supervision`.
 
 Tiny CPU check (starts a server on the tiny model, prints its URL, stops it):
     python -c "from runtime.models import provision_tiny; \
@@ -28,11 +29,14 @@ from pathlib import Path
 
 import httpx
 
+from actors.engines.supervision import ProgressWatch, RestartBudget, UpdateGate
+
 log = logging.getLogger(__name__)
 
 _DEVICES = ("cpu", "cuda")
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
 _LOG_TAIL_CHARS = 4000
+_BUSY_LOG_EVERY_S = 30.0  # rate limit of the "slow but busy" warning
 
 # Linux: the server gets SIGKILL when the thread that launched it dies, even by SIGKILL (a
 # Ray actor killed by its node), so no server outlives its engine. Set in a small launcher
@@ -63,7 +67,12 @@ class EngineConfig:
     weight_update_timeout_s: float = 600.0  # one /update_weights_from_disk call
     extra_args: list[str] = field(default_factory=list)  # appended verbatim to launch_server
     log_dir: str | None = None  # server logs; None = a fresh temp dir per engine
-    max_restarts: int = 3  # ensure_alive raises after this many restarts
+    probe_timeout_s: float = 5.0  # one /health probe of ensure_alive (SGLang answers in >= 1 s)
+    # A live server whose probes fail is restarted only after this long without progress
+    # (CPU time of its processes): a 2-core CPU decoding a big batch can miss probes for
+    # minutes, and restarting it then fails every request in flight.
+    unresponsive_s: float = 180.0
+    max_restarts_per_hour: int = 3  # ensure_alive raises on a restart beyond this rate
     # Block the idle scheduler on its sockets instead of spinning: an idle server otherwise
     # keeps one core at 100 % (measured: 31 s of CPU in 30 s idle, 1 s with the flag), which
     # on a 2-core machine starves every other process of the run.
@@ -94,11 +103,14 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.mem_fraction_static={self.mem_fraction_static}; use (0, 1)"
             )
-        if self.startup_timeout_s <= 0 or self.weight_update_timeout_s <= 0:
-            raise ValueError("EngineConfig startup_timeout_s and weight_update_timeout_s "
-                             "must be positive seconds")
-        if self.max_restarts < 0:
-            raise ValueError(f"EngineConfig.max_restarts={self.max_restarts}; use >= 0")
+        for name in ("startup_timeout_s", "weight_update_timeout_s", "probe_timeout_s",
+                     "unresponsive_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)}; use positive "
+                                 "seconds")
+        if self.max_restarts_per_hour < 0:
+            raise ValueError(f"EngineConfig.max_restarts_per_hour={self.max_restarts_per_hour}"
+                             "; use >= 0 (0 = never restart)")
 
 
 def _free_port() -> int:
@@ -120,7 +132,7 @@ def _port_is_free(port: int) -> bool:
 
 
 def _kill_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM the server's process group, wait, then SIGKILL whatever is left.
+    """SIGTERM (then SIGCONT) the server's process group, wait, then SIGKILL what is left.
 
     A module-level function (not a method) so `weakref.finalize` can call it without
     keeping the engine alive.
@@ -128,6 +140,7 @@ def _kill_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
     pgid = proc.pid  # start_new_session=True made the server its own group leader
     try:
         os.killpg(pgid, signal.SIGTERM)
+        os.killpg(pgid, signal.SIGCONT)  # a stopped server handles SIGTERM only once resumed
     except ProcessLookupError:
         return  # the whole group is already gone
     try:
@@ -166,7 +179,8 @@ class SGLangEngine:
         self.log_path = self.log_dir / f"sglang-{model_id}.log"
         self.weights_path = self.model_path  # folder of the weights the server holds
         self.weight_version = 0
-        self.restarts = 0
+        self.restarts = 0  # total over the engine's life
+        self.busy_probes = 0  # failed probes of a live server that was making progress
         self.startup_seconds: float | None = None  # duration of the last successful start
         self._port: int | None = None
         self._proc: subprocess.Popen | None = None
@@ -175,6 +189,10 @@ class SGLangEngine:
         # The runtime's actor runs methods on several threads (health checks beside weight
         # updates); lifecycle changes take this lock so two callers never restart twice.
         self._lifecycle = threading.RLock()
+        self._gate = UpdateGate(self._lifecycle)  # weight updates vs. supervision
+        self._restart_budget = RestartBudget()
+        self._progress = ProgressWatch()  # of a server whose probes fail (ensure_alive)
+        self._last_busy_log = -_BUSY_LOG_EVERY_S
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -220,6 +238,7 @@ class SGLangEngine:
         started = time.perf_counter()
         self._wait_healthy()
         self.startup_seconds = time.perf_counter() - started
+        self._progress.answered(self.pid)
         log.info("%s ready at %s in %.1f s", self.model_id, self.url, self.startup_seconds)
         return self.url
 
@@ -237,35 +256,91 @@ class SGLangEngine:
         self._http.close()
 
     def is_alive(self) -> bool:
-        """Whether the process runs and `/health` answers 200 within a few seconds."""
+        """Whether the process runs and `/health` answers 200 within `cfg.probe_timeout_s`."""
         if self._proc is None or self._proc.poll() is not None:
             return False
-        try:
-            return self._http.get(f"{self.url}/health", timeout=5.0).status_code == 200
-        except httpx.TransportError as err:
-            log.warning("%s health probe failed: %r", self.model_id, err)
-            return False
+        failure = self._probe()
+        if failure is not None:
+            log.warning("%s %s", self.model_id, failure)
+        return failure is None
 
     def ensure_alive(self) -> str:
-        """Restart the server if it died or stopped answering; returns the (maybe new) URL.
+        """Restart the server if it is dead; returns the (maybe new) URL.
 
-        The restart reuses the port when it is free again, so clients keep their URL, and
-        reloads the last weights with their version. Raises after `cfg.max_restarts`.
+        Dead means: the process exited (restart at once), or its probes fail and its
+        processes made no progress for `cfg.unresponsive_s` (a slow, busy server is left
+        alone). While a weight update is in flight this returns at once: the server is busy
+        loading, and the update restarts it itself if it died. The restart reuses the port
+        when it is free again, so clients keep their URL, and reloads the last weights with
+        their version. Raises beyond `cfg.max_restarts_per_hour`.
         """
-        with self._lifecycle:
+        if not self._gate.acquire_unless_updating():
+            log.debug("%s: weight update in flight: busy, not probed", self.model_id)
+            return self.url
+        try:
             return self._ensure_alive()
+        finally:
+            self._lifecycle.release()
+
+    def stats(self) -> dict:
+        """Supervision counters for the run summary and TensorBoard (all numbers)."""
+        return {"restarts": self.restarts, "restarts_last_hour": self._restart_budget.recent(),
+                "busy_probes": self.busy_probes,
+                "last_progress_age_s": time.monotonic() - self._progress.last_progress,
+                "weight_version": self.weight_version}
 
     def _ensure_alive(self) -> str:
-        if self.is_alive():
+        if self._proc is None:
+            return self._restart("is not running")
+        if self._proc.poll() is not None:
+            return self._restart(f"exited with code {self._proc.poll()}")
+        failure = self._probe()
+        if failure is None:
+            self._progress.answered(self.pid)
             return self.url
-        if self.restarts >= self.cfg.max_restarts:
+        if self._proc.poll() is not None:  # it died while we probed
+            return self._restart(f"exited with code {self._proc.poll()} ({failure})")
+        if self._is_stalled(failure):
+            idle_s = time.monotonic() - self._progress.last_progress
+            return self._restart(f"{failure}; no progress for {idle_s:.0f} s")
+        return self.url
+
+    def _is_stalled(self, failure: str) -> bool:
+        """After a failed probe of a live process: whether it made no progress for too long.
+
+        A probe that fails while the server is busy (uses CPU) counts in `busy_probes`.
+        """
+        now = time.monotonic()
+        sampled = self._progress.sample(self.pid, now)
+        idle_s = now - self._progress.last_progress
+        if idle_s >= self.cfg.unresponsive_s:
+            log.error("engine %s: %s; no progress for %.0f s: restarting", self.model_id,
+                      failure, idle_s)
+            return True
+        if self._progress.busy:
+            self.busy_probes += 1
+        if sampled is not None and now - self._last_busy_log >= _BUSY_LOG_EVERY_S:
+            self._last_busy_log = now
+            if self._progress.busy:
+                log.warning("engine %s: probe timed out but server is busy (cpu +%.1f s in "
+                            "%.1f s): %s", self.model_id, *sampled, failure)
+            else:
+                log.warning("engine %s: %s; no progress for %.0f s (restart after %.0f s)",
+                            self.model_id, failure, idle_s, self.cfg.unresponsive_s)
+        return False
+
+    def _restart(self, reason: str) -> str:
+        """Stop what is left of the server and start it on the current weights and version."""
+        if not self._restart_budget.take(self.cfg.max_restarts_per_hour):
             raise RuntimeError(
-                f"engine {self.model_id} is down and used all {self.cfg.max_restarts} restarts; "
+                f"engine {self.model_id} is down ({reason}) and was already restarted "
+                f"{self._restart_budget.recent()} times in the last hour "
+                f"(EngineConfig.max_restarts_per_hour={self.cfg.max_restarts_per_hour}); "
                 f"log tail ({self.log_path}):\n{self.log_tail()}"
             )
-        code = self._proc.poll() if self._proc is not None else None
-        log.warning("engine %s down (exit code %s); restart %d/%d", self.model_id, code,
-                    self.restarts + 1, self.cfg.max_restarts)
+        log.warning("engine %s %s; restart %d (%d in the last hour, at most %d)",
+                    self.model_id, reason, self.restarts + 1, self._restart_budget.recent(),
+                    self.cfg.max_restarts_per_hour)
         self.stop()
         self.restarts += 1
         if not self._wait_port_free(self._port, timeout_s=15.0):
@@ -287,24 +362,27 @@ class SGLangEngine:
         Returns:
             The server's answer: `success`, `message`, `num_paused_requests`.
         """
-        with self._lifecycle:
-            try:
-                response = self._http.post(
-                    f"{self.url}/update_weights_from_disk",
-                    json={"model_path": str(path), "weight_version": str(version)},
-                    timeout=self.cfg.weight_update_timeout_s,
-                )
-            except httpx.TransportError as err:
-                if self.is_alive():
-                    raise
-                # The server died (or was killed) between two updates: restart it directly on
-                # the new weights instead of failing the learner step.
-                log.warning("%s unreachable during weight update (%r); restarting on %s",
-                            self.model_id, err, path)
-                self.weights_path, self.weight_version = Path(path), version
-                self._ensure_alive()
-                return {"success": True, "message": "restarted on the new weights",
-                        "num_paused_requests": 0}
+        with self._gate.updating():  # takes `_lifecycle`; ensure_alive passes over it
+            return self._load_weights(Path(path), version)
+
+    def _load_weights(self, path: Path, version: int) -> dict:
+        """update_weights_from_disk under the lifecycle lock."""
+        try:
+            response = self._http.post(
+                f"{self.url}/update_weights_from_disk",
+                json={"model_path": str(path), "weight_version": str(version)},
+                timeout=self.cfg.weight_update_timeout_s,
+            )
+        except httpx.TransportError as err:
+            if self.is_alive():
+                raise
+            # The server died (or was killed) between two updates: restart it directly on
+            # the new weights instead of failing the learner step.
+            self.weights_path, self.weight_version = path, version
+            self._restart(f"unreachable during weight update ({err!r}); loading {path}")
+            return {"success": True, "message": "restarted on the new weights",
+                    "num_paused_requests": 0}
+        self._progress.answered(self.pid)  # it answered, whatever it said
         body = response.json() if response.headers.get("content-type", "").startswith(
             "application/json") else {"message": response.text}
         if response.status_code != 200 or not body.get("success", False):
@@ -312,7 +390,7 @@ class SGLangEngine:
                 f"engine {self.model_id} refused weights {path} (version {version}): "
                 f"HTTP {response.status_code}: {body.get('message', body)}"
             )
-        self.weights_path, self.weight_version = Path(path), version
+        self.weights_path, self.weight_version = path, version
         return body
 
     # ------------------------------------------------------------------ internals
@@ -347,6 +425,16 @@ class SGLangEngine:
             cmd += ["--random-seed", str(cfg.random_seed)]
         return cmd + list(cfg.extra_args)
 
+    def _probe(self, timeout_s: float | None = None) -> str | None:
+        """None when `/health` answers 200 in time (`cfg.probe_timeout_s`), else what failed."""
+        try:
+            response = self._http.get(f"{self.url}/health",
+                                      timeout=timeout_s or self.cfg.probe_timeout_s)
+        except httpx.TransportError as err:  # the caller counts it as a failed probe
+            return f"health probe failed: {err!r}"
+        return None if response.status_code == 200 else (
+            f"health probe answered HTTP {response.status_code}")
+
     def _wait_healthy(self) -> None:
         """Poll `/health` until 200; on exit or timeout, kill and raise with the log tail."""
         deadline = time.monotonic() + self.cfg.startup_timeout_s
@@ -358,11 +446,10 @@ class SGLangEngine:
                     f"engine {self.model_id} exited with code {code} during startup; "
                     f"log tail ({self.log_path}):\n{self.log_tail()}"
                 )
-            try:
-                if self._http.get(f"{self.url}/health", timeout=5.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass  # not listening yet: the normal state for the first seconds
+            # Failing (not listening yet) is the normal state of the first seconds. Not
+            # cfg.probe_timeout_s: SGLang's /health takes >= 1 s and tests set that lower.
+            if self._probe(timeout_s=5.0) is None:
+                return
             time.sleep(0.5)
         self.stop()
         raise TimeoutError(
