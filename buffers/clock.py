@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from buffers.ledger import LedgerStats, RoundLedger
+
 
 @dataclass
 class ModelClock:
@@ -29,27 +31,32 @@ class ModelClock:
 
 
 class VersionClock:
-    """Per-model admission counters for the staleness bound."""
+    """Per-model admission counters for the staleness bound, and the round ledger.
+
+    Every admitted round is an entry of the ledger (buffers/ledger.py) until it closes, so a
+    dead rollout actor's rounds are found by owner: those that never produced rows give their
+    units back here; those that did are reconciled against the buffers by the controller
+    (their units come back through the buffers' dropped units, never twice).
+    """
 
     def __init__(self, models: dict[str, tuple[int, int]]) -> None:
         """Args:
             models: model_id -> (batch_units, max_staleness).
         """
         self._models: dict[str, ModelClock] = {}
-        self._in_flight: dict[str, dict[str, int]] = {}  # owner -> model_id -> units
+        self.ledger = RoundLedger()
         for model_id, (batch_units, max_staleness) in models.items():
             if batch_units < 1:
                 raise ValueError(f"model {model_id!r}: batch_units={batch_units} must be >= 1")
             _check_eta(model_id, max_staleness)
             self._models[model_id] = ModelClock(batch_units, max_staleness)
 
-    def try_admit(self, units: dict[str, int], owner: str | None = None) -> bool:
-        """Admit an episode/round that will produce `units[m]` units for each model m.
+    def try_admit(self, units: dict[str, int], owner: str = "", round_id: str | None = None) -> bool:
+        """Admit a round that will produce `units[m]` units for each model m.
 
-        All models are checked before any counter moves, so a refusal changes nothing.
-        `owner` (a rollout actor) holds the units as in flight until it calls `shipped`; if
-        the owner dies first, `release_owner` gives them back, so a crashed actor's rounds
-        cannot eat the admission budget forever.
+        All models are checked before any counter moves, so a refusal changes nothing. With a
+        `round_id` the round opens in the ledger under `owner` (a rollout actor) and must end
+        with `generated` + `shipped`, or `abandon`.
         """
         clocks = [(self._get(m), n) for m, n in units.items()]
         for model_id, n in units.items():
@@ -57,36 +64,50 @@ class VersionClock:
                 raise ValueError(f"model {model_id!r}: units={n} must be >= 0")
         if any(clock.issued_units >= clock.limit for clock, _ in clocks):
             return False
+        if round_id is not None:
+            self.ledger.open(round_id, owner, units)
         for clock, n in clocks:
             clock.issued_units += n
-        if owner is not None:
-            held = self._in_flight.setdefault(owner, {})
-            for model_id, n in units.items():
-                held[model_id] = held.get(model_id, 0) + n
         return True
 
-    def shipped(self, units: dict[str, int], owner: str) -> None:
-        """The owner's round reached the buffers (or was released): no longer in flight."""
-        held = self._in_flight.get(owner, {})
-        for model_id, n in units.items():
-            if held.get(model_id, 0) < n:
-                raise ValueError(f"owner {owner!r} ships {n} units of {model_id!r} but holds "
-                                 f"{held.get(model_id, 0)}")
-            held[model_id] -= n
+    def generated(self, round_id: str, episodes: dict[str, dict[str, int]]) -> None:
+        """The round's rows exist (episode_id -> model_id -> rows), before any is shipped."""
+        self.ledger.generated(round_id, episodes)
 
-    def abandon(self, units: dict[str, int], owner: str) -> None:
-        """The owner's round was lost before reaching the buffers: free its budget."""
-        self.shipped(units, owner)
-        for model_id, n in units.items():
+    def shipped(self, round_id: str) -> None:
+        """Every row of the round is in its buffer and the coach has its requests."""
+        self.ledger.close(round_id)
+
+    def abandon(self, round_id: str, rows: int, reason: str) -> None:
+        """The round failed before shipping: count its rows lost and give its units back."""
+        entry = self.ledger.abandon(round_id, rows, reason)
+        for model_id, n in entry.units.items():
             self.release(model_id, n)
 
-    def release_owner(self, owner: str) -> dict[str, int]:
-        """Give back every unit a dead owner still held in flight; returns what was freed."""
-        held = self._in_flight.pop(owner, {})
-        for model_id, n in held.items():
-            if n:
+    def take_owner(self, owner: str | None) -> tuple[dict[str, int], dict]:
+        """Close the books of a dead owner (every owner when None, at the end of a run).
+
+        Returns:
+            (units given back for rounds that produced no rows yet, model_id -> units;
+             round_id -> RoundEntry of rounds with rows, for the controller to reconcile)
+        """
+        freed: dict[str, int] = {}
+        with_rows = {}
+        for round_id, entry in self.ledger.take(owner).items():
+            if entry.episodes is not None:
+                with_rows[round_id] = entry
+                continue
+            for model_id, n in entry.units.items():
                 self.release(model_id, n)
-        return {m: n for m, n in held.items() if n}
+                freed[model_id] = freed.get(model_id, 0) + n
+        return freed, with_rows
+
+    def count_lost(self, rows: int, reason: str) -> None:
+        """Rows the controller found missing from every buffer when it reconciled a round."""
+        self.ledger.count_lost(rows, reason)
+
+    def ledger_stats(self) -> LedgerStats:
+        return self.ledger.stats()
 
     def set_version(self, model_id: str, version: int) -> None:
         """Record that the learner of `model_id` now serves `version`."""

@@ -88,19 +88,24 @@ class ReplayBuffer:
         self._deadlines: list = []  # heap of (first_at, seq, unit) for timeouts
         self._seq = 0
         self._closed: OrderedDict = OrderedDict()  # recently closed unit id -> reason or None
+        self._received: OrderedDict = OrderedDict()  # recent origin (episode id) -> rows accepted
         self._live = 0
         self._rows_added = self._rows_trained = self._late = self._refusals = self._repeats = 0
         self._dropped = Counter({reason: 0 for reason in DROP_REASONS})
         self._dropped_units = 0
 
     # ----------------------------------------------------------------- arrivals
-    def try_add(self, rows: StepBatch | pa.Table | pa.RecordBatch | list[StepRecord]) -> bool:
+    def try_add(self, rows: StepBatch | pa.Table | pa.RecordBatch | list[StepRecord],
+                origin: str | None = None) -> bool:
         """Accept all rows or none; False (a counted refusal) when capacity would be exceeded.
 
         `rows` is what a producer sends: a `StepBatch` (any number of rows, e.g. every episode
         of a round), or an Arrow table / record batch in STEP_SCHEMA, or StepRecords (both
         split here; token buffers are kept without copying). A row is READY on arrival when
         its `reward` is set, PENDING otherwise.
+
+        `origin` (the episode the rows come from) is counted in `received_rows`, which the
+        controller reads to reconcile a dead rollout actor's rounds with the ledger.
 
         Raises ValueError for rows that can never be accepted (another schema or model, a
         repeated step_id, a group_size that differs within a group, more rows than the unit
@@ -118,7 +123,15 @@ class ReplayBuffer:
             self._refusals += 1
             return False
         self._insert(arrival, wire_nbytes)
+        if origin is not None:
+            self._received[origin] = self._received.get(origin, 0) + n
+            while len(self._received) > 4 * self.cfg.capacity_rows:  # bounded, as _closed
+                self._received.popitem(last=False)
         return True
+
+    def received_rows(self, origins: list[str]) -> dict[str, int]:
+        """Rows accepted so far from each origin (0 for one never seen), trained ones included."""
+        return {origin: self._received.get(origin, 0) for origin in origins}
 
     def _validate(self, a: Arrival) -> None:
         """The checks of an arrival against what the buffer holds (ids, units)."""

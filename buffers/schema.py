@@ -27,7 +27,8 @@ class Status(enum.IntEnum):
 
 
 # Reasons a row leaves the buffer without being trained. Counters are keyed by these names.
-DROP_REASONS = ("stale", "incomplete", "failed", "timeout", "capacity", "run_stopped")
+DROP_REASONS = ("stale", "incomplete", "failed", "timeout", "capacity", "run_stopped",
+                "actor_crashed")
 
 _dict_str = pa.dictionary(pa.int32(), pa.string())
 

@@ -20,7 +20,9 @@ READINESS_UNITS: dict[str, str] = {
 }
 
 BEHAVIOR_CORRECTIONS = ("tis", "mask")
-DTYPES = ("float32", "bfloat16")
+# "auto" is resolved by the runtime before a learner is built (runtime/dtype.py): bf16 where
+# the machine computes it natively, fp32 elsewhere.
+DTYPES = ("float32", "bfloat16", "auto")
 
 
 def readiness_unit(advantage: str) -> str:
@@ -61,7 +63,7 @@ class LearnerConfig:
     behavior_correction: str = "tis"  # "tis": w′ = min(w, c); "mask": w′ = w·1[1/c ≤ w ≤ c]
     behavior_cap: float = 2.0  # c, the cap on the behaviour importance weight w
     temperature: float = 1.0  # rollout sampling temperature; logits are divided by it
-    dtype: str = "float32"  # parameter dtype: "float32" | "bfloat16"
+    dtype: str = "float32"  # parameter dtype: "float32" | "bfloat16" | "auto" (runs default to auto)
     num_threads: int = 1  # torch intra-op threads of the learner process
     seed: int = 0  # torch RNG seed set when the learner is built
     tensor_parallel: int = 1  # megatron: ranks each layer is split over (divides the KV heads)

@@ -99,6 +99,11 @@ def build_learner(
             f"LearnerConfig.backend={cfg.backend!r} is not registered; "
             f"use one of {sorted(LEARNERS)}"
         )
+    if cfg.dtype == "auto":
+        raise ValueError(
+            "LearnerConfig.dtype='auto' reached a learner unresolved; the runtime resolves it "
+            "(runtime.dtype.resolve_dtype) — outside a run pass 'float32' or 'bfloat16'"
+        )
     module_name, class_name = LEARNERS[cfg.backend].split(":")
     backend_class = getattr(importlib.import_module(module_name), class_name)
     return backend_class(cfg, model_id, model_path, weights_dir)

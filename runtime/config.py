@@ -30,8 +30,10 @@ class ConfigError(ValueError):
 class ModelConfig:
     path: str = "tiny"  # a provisioned model name ("tiny", "smollm2-135m") or a HF folder
     engines: int = 1  # SGLang engine instances serving this model
-    engine: EngineConfig = field(default_factory=EngineConfig)  # engine flags and limits
-    learner: LearnerConfig = field(default_factory=LearnerConfig)  # estimator, loss, optimizer
+    # engine flags and limits; dtype "auto": bf16 where native, else fp32 (runtime/dtype.py)
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(dtype="auto"))
+    # estimator, loss, optimizer; dtype "auto" as the engine's
+    learner: LearnerConfig = field(default_factory=lambda: LearnerConfig(dtype="auto"))
     buffer: BufferConfig = field(default_factory=BufferConfig)  # replay buffer capacity, readiness
 
     def __post_init__(self) -> None:
@@ -46,6 +48,8 @@ class RunConfig:
     runs_dir: str = "runs"  # where run directories are created
     max_steps: int = 20  # learner steps per model; the run ends when every model reached it
     max_wall_s: float = 0.0  # stop after this many seconds as well (0: no limit)
+    # stop with a diagnosis (the stuck stage) when no learner step came for this long; 0 = off
+    stall_timeout_s: float = 900.0
     ray_address: str = ""  # "" joins the cluster of a submitted job, else starts a local Ray
     num_cpus: int = 2  # CPUs of a locally started Ray instance
     learner_cpus: float = 0.5  # Ray CPUs reserved per learner actor
@@ -57,6 +61,9 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.max_steps < 1:
             raise ConfigError(f"run.max_steps={self.max_steps}: must be >= 1")
+        if self.stall_timeout_s < 0:
+            raise ConfigError(f"run.stall_timeout_s={self.stall_timeout_s}: use seconds >= 0 "
+                              "(0 turns the stall watchdog off)")
         if self.keep_weights < 1:
             raise ConfigError(f"run.keep_weights={self.keep_weights}: must be >= 1 "
                               "(engines load the newest version from disk)")

@@ -1,14 +1,19 @@
 """The controller: creates and wires every actor, supervises them, stops the run.
 
-It is the only place that calls `ray.remote` (STYLE §1). Order: run directory → Ray → metrics
-→ engines (wait for health) → buffers, clock, coach pool → learners → rollout actors. It then
-watches: a learner failure stops the run with its cause; a failed rollout actor is replaced
-(it is stateless) up to `run.max_actor_restarts`; dead engine servers are restarted. When
-every learner reached `run.max_steps` it stops the rollouts, drains the buffers and writes
-`summary.json` with the row accounting (every generated row trained or dropped with a reason).
+It is the only place that calls `ray.remote` (STYLE §1). Order: dtype → run directory → Ray →
+metrics → engines (wait for health) → buffers, clock, coach pool → learners → rollout actors.
+It then watches: a learner failure or a coach programming error stops the run with its cause;
+a failed rollout actor is replaced (it is stateless) up to `run.max_actor_restarts`, its open
+rounds reconciled with the ledger; engines are probed and restarted when dead (slow is not
+dead: actors/engines/sglang.py); no learner step for `run.stall_timeout_s` stops the run
+naming the stuck stage (runtime/stall.py). When every learner reached `run.max_steps` it
+stops the rollouts, drains the buffers and writes `summary.json` with the row accounting:
+the ledger's generated rows (counted before shipping, buffers/ledger.py) must equal the
+buffers' trained + dropped rows plus the ledger's lost rows.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -24,10 +29,12 @@ from actors.workflows import build_workflow
 from buffers.clock import VersionClock
 from buffers.replay import ReplayBuffer
 from runtime.config import TroupeConfig, to_yaml
+from runtime.dtype import resolve_dtype
 from runtime.learner_worker import LearnerWorker
 from runtime.metrics import MetricsWriter
 from runtime.models import resolve_model
 from runtime.rollout_host import BufferCommit, RayRolloutPorts, RolloutHost
+from runtime.stall import Snapshot, diagnose
 
 log = logging.getLogger("troupe")
 
@@ -60,6 +67,7 @@ class Run:
 
     def __init__(self, cfg: TroupeConfig) -> None:
         self.cfg = cfg
+        resolve_dtypes(cfg)
         self.run_dir = make_run_dir(cfg)
         self.run_id = cfg.run.run_id
         self.model_paths = {m: str(resolve_model(mc.path)) for m, mc in cfg.models.items()}
@@ -70,7 +78,7 @@ class Run:
         self.status_ticks = 0  # supervision rounds (the step of coach score histograms)
         self.owners: dict[int, str] = {}
         self.crashed_units: dict[str, int] = {}  # admitted units lost with crashed actors
-        self.finished_rollout_stats: list[dict] = []
+        self.stall_base: Snapshot | None = None  # counters at the last learner step
 
     def start(self) -> None:
         cfg = self.cfg
@@ -135,6 +143,7 @@ class Run:
         """Supervise until every learner is done; raises the cause of a fatal failure."""
         pending_learners = dict(self.learner_refs)
         last_status = 0.0
+        self.stall_base = self._snapshot()
         while pending_learners:
             refs = list(pending_learners) + list(self.rollout_refs)
             done, _ = ray.wait(refs, num_returns=1, timeout=2.0)
@@ -142,11 +151,12 @@ class Run:
                 if ref in pending_learners:
                     model_id = pending_learners.pop(ref)
                     summary = ray.get(ref)  # re-raises a learner failure: the run stops
-                    log.info("learner %s finished: %s", model_id, summary)
+                    log.info("learner %s finished: v%d", model_id, summary["version"])
                 else:
                     self._on_rollout_exit(ref)
             if time.time() - last_status > 5:
                 self._status()
+                self._watch_stall()
                 last_status = time.time()
             wall = self.cfg.run.max_wall_s
             if wall and time.time() - self.started_at > wall:
@@ -167,15 +177,17 @@ class Run:
                       self.cfg.run.max_actor_restarts, exc)
             if self.restarts > self.cfg.run.max_actor_restarts:
                 raise RuntimeError(f"rollout actor {index} kept failing") from exc
-            # Its in-flight rounds never reached a buffer: give their admission budget back
-            # and count them, then replace the (stateless) actor.
             ray.kill(self.rollouts[index])
-            freed = ray.get(self.clock.release_owner.remote(self.owners[index]))
-            self.crashed_units = _add_counts([self.crashed_units, freed])
+            self._close_books(self.owners[index], "actor_crashed")
             self._spawn_rollout(index)
 
+    def _close_books(self, owner: str | None, reason: str) -> None:
+        freed = close_books(self.clock, self.buffers, self.readiness, owner, reason)
+        self.crashed_units = _add_counts([self.crashed_units, freed])
+
     def _status(self) -> None:
-        """Engine supervision plus the periodic coach/perf metrics."""
+        """Coach and engine supervision plus the periodic coach/perf metrics."""
+        ray.get(self.coach.check.remote())  # a coach programming error stops the run here
         for es in self.engines.values():
             ray.get([e.ensure_alive.remote() for e in es])
         self._coach_metrics()
@@ -186,6 +198,41 @@ class Run:
             "perf/rollout_actors": float(len(stats)),
             "perf/admission_waits": float(sum(s["admission_waits"] for s in stats)),
         })
+
+    def _snapshot(self) -> Snapshot:
+        """Every part's counters now (for the stall watchdog)."""
+        learners = ray.get([w.progress.remote() for w in self.learners.values()])
+        return Snapshot(
+            at=time.time(),
+            learners=dict(zip(self.learners, learners)),
+            buffers={m: asdict(s) for m, s in zip(
+                self.buffers, ray.get([b.stats.remote() for b in self.buffers.values()]))},
+            clock=ray.get(self.clock.snapshot.remote()),
+            coach=ray.get(self.coach.stats.remote()),
+            rollouts=ray.get([r.stats.remote() for r in self.rollouts.values()]),
+            engines=self._engine_stats())
+
+    def _engine_stats(self) -> dict[str, dict]:
+        names = [f"{m}-{i}" for m, es in self.engines.items() for i in range(len(es))]
+        stats = ray.get([e.stats.remote() for es in self.engines.values() for e in es])
+        return dict(zip(names, stats))
+
+    def _watch_stall(self) -> None:
+        """Stop the run with a diagnosis when no learner stepped for run.stall_timeout_s."""
+        timeout = self.cfg.run.stall_timeout_s
+        if not timeout:
+            return
+        now = self._snapshot()
+        if now.versions() != self.stall_base.versions():
+            self.stall_base = now
+            return
+        if now.at - self.stall_base.at < timeout:
+            return
+        batch_units = {m: mc.learner.batch_units for m, mc in self.cfg.models.items()}
+        message = diagnose(self.stall_base, now, batch_units)
+        log.error("run stalled: %s", message)
+        raise RuntimeError(f"run stalled ({self.cfg.run.stall_timeout_s:.0f} s, "
+                           f"run.stall_timeout_s): {message}")
 
     def _coach_metrics(self) -> dict:
         """`coach/…` scalars and per-agent score histograms; returns the pool's stats."""
@@ -199,27 +246,25 @@ class Run:
     def finish(self) -> dict:
         """Stop rollouts, drain buffers, account for every row; returns the summary."""
         rollout_stats = ray.get([r.stop.remote() for r in self.rollouts.values()])
+        self._close_books(None, "run_stopped")  # rounds cut off while shipping
         learner = {m: ray.get(w.summary.remote()) for m, w in self.learners.items()}
         drained = {m: ray.get(b.drain.remote("run_stopped")) for m, b in self.buffers.items()}
         buffers = {m: asdict(ray.get(b.stats.remote())) for m, b in self.buffers.items()}
-        lost = _add_counts(s["rows_lost"] for s in rollout_stats)
-        buffered = sum(b["rows_added"] for b in buffers.values())
-        trained = sum(b["rows_trained"] for b in buffers.values())
-        dropped = _add_counts(b["dropped"] for b in buffers.values())
-        # Rows that crashed actors shipped are in the buffers; what they had in flight is
-        # reported as units (`crashed_actor_units`), since the process that knew it is gone.
-        shipped_by_crashed = buffered - sum(s["rows_added"] for s in rollout_stats)
-        generated = sum(s["rows_generated"] for s in rollout_stats) + shipped_by_crashed
-        accounted = trained + sum(dropped.values()) + sum(lost.values())
+        ledger = asdict(ray.get(self.clock.ledger_stats.remote()))
+        engines = self._engine_stats()
         summary = {
             "run_id": self.run_id, "run_dir": str(self.run_dir),
             "wall_s": time.time() - self.started_at, "learners": learner,
             "rollouts": rollout_stats, "buffers": buffers, "drained": drained,
             "coach": self._coach_metrics(), "actor_restarts": self.restarts,
-            "rows": {"generated": generated, "buffered": buffered, "trained": trained,
-                     "dropped": dropped, "lost_in_rollout": lost,
-                     "crashed_actor_units": self.crashed_units,
-                     "unaccounted": generated - accounted},
+            "engines": engines,
+            "engine_restarts": sum(e["restarts"] for e in engines.values()),
+            "dtypes": {m: {"engine": mc.engine.dtype, "learner": mc.learner.dtype}
+                       for m, mc in self.cfg.models.items()},
+            "rows": {**row_accounting(ledger, buffers),
+                     "crashed_actor_units": self.crashed_units},
+            "ledger": ledger,
+            "metrics": ray.get(self.metrics.counts.remote()),
             "tensorboard_keys": ray.get(self.metrics.close.remote()),
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -243,6 +288,59 @@ class Run:
             ray.kill(actor)
 
 
+def close_books(clock, buffers: dict, readiness: dict[str, str], owner: str | None,
+                reason: str) -> dict[str, int]:
+    """Settle the open rounds of a dead owner (every owner when None) with the ledger.
+
+    Rounds that made no rows yet give their units back at the clock. Rounds whose rows the
+    ledger knows are compared with what every buffer received from each of their episodes:
+    the missing rows are counted lost under `reason`; the received ones are dropped under it
+    (their coach requests may never have left, so they could only time out), and those drops
+    return their units through the buffer (`take_dropped_units`). Units of a model none of
+    whose rows arrived are given back here. So no unit is released twice, and none leaks.
+
+    Returns the units given back for rounds that made no rows (model_id -> units).
+    """
+    freed, rounds = ray.get(clock.take_owner.remote(owner))
+    for round_id, entry in rounds.items():
+        lost, release = 0, {}
+        for model_id, units in entry.units.items():
+            episodes = {e: rows[model_id] for e, rows in entry.episodes.items()
+                        if rows.get(model_id)}
+            received = ray.get(buffers[model_id].received_rows.remote(list(episodes)))
+            lost += sum(n - received[e] for e, n in episodes.items())
+            arrived = [e for e in episodes if received[e]]
+            ray.get([buffers[model_id].drop_episode.remote(e, reason) for e in arrived])
+            if readiness[model_id] == "episode":
+                release[model_id] = units - len(arrived)  # one unit per episode that never came
+            elif not arrived:
+                release[model_id] = units  # no group of this round was ever created
+        ray.get(clock.count_lost.remote(lost, reason))
+        for model_id, units in release.items():
+            if units > 0:
+                ray.get(clock.release.remote(model_id, units))
+        log.warning("round %s of %s settled (%s): %d of %d rows never reached a buffer",
+                    round_id, entry.owner, reason, lost, entry.rows)
+    return freed
+
+
+def row_accounting(ledger: dict, buffers: dict[str, dict]) -> dict:
+    """The run's row identity: ledger generated == trained + dropped (buffers) + lost (ledger).
+
+    The ledger counted every row before it was shipped; the buffers count what they trained
+    and dropped. No term is derived from another, so `unaccounted` is nonzero whenever a row
+    went missing between a rollout and a buffer without a counted reason.
+    """
+    trained = sum(b["rows_trained"] for b in buffers.values())
+    dropped = _add_counts(b["dropped"] for b in buffers.values())
+    lost = dict(ledger["lost"])
+    accounted = trained + sum(dropped.values()) + sum(lost.values())
+    return {"generated": ledger["generated"],
+            "buffered": sum(b["rows_added"] for b in buffers.values()),
+            "trained": trained, "dropped": dropped, "lost": lost,
+            "unaccounted": ledger["generated"] - accounted}
+
+
 def _add_counts(counts) -> dict[str, int]:
     """Sum count dicts key by key, keeping zero entries (every reason stays listed)."""
     total: dict[str, int] = {}
@@ -250,6 +348,15 @@ def _add_counts(counts) -> dict[str, int]:
         for key, n in one.items():
             total[key] = total.get(key, 0) + n
     return total
+
+
+def resolve_dtypes(cfg: TroupeConfig) -> None:
+    """Turn every `dtype: auto` into this machine's choice (runtime/dtype.py), logged once."""
+    for model_id, mc in cfg.models.items():
+        device = mc.engine.device
+        mc.engine = dataclasses.replace(
+            mc.engine, dtype=resolve_dtype(mc.engine.dtype, device, f"{model_id} engine"))
+        mc.learner.dtype = resolve_dtype(mc.learner.dtype, device, f"{model_id} learner")
 
 
 def _pad_id(model_path: str) -> int:

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from learners.advantages import compute_advantages
-from learners.batch import build_train_batch
+from learners.prepare import prepare_batch
 from learners.config import LearnerConfig
 from learners.protocol import build_learner
 
@@ -53,6 +52,7 @@ class LearnerWorker:
         self.last_weights: str | None = None
         self.history: list[tuple[float, int, float]] = []  # (step end time, rows, busy s)
         self._stop = False
+        self._step_started: float | None = None  # wall time the running step began
 
     def set_max_staleness(self, eta: int) -> None:
         if eta < 0:
@@ -88,10 +88,13 @@ class LearnerWorker:
 
     async def _step(self, batch) -> None:
         start = time.perf_counter()
+        self._step_started = time.time()
         table = batch.table
-        advantages = compute_advantages(self.cfg, table)
-        train_batch = build_train_batch(table, advantages, self.pad_id)
+        # advantages (with the reference KL in the reward when reward_kl_beta > 0) and tensors
+        train_batch, advantages, extra = await asyncio.to_thread(
+            prepare_batch, self.learner, self.cfg, table, self.pad_id)
         train = await asyncio.to_thread(self.learner.train_step, train_batch)
+        train.update(extra)
         self.version += 1
         ref = await asyncio.to_thread(self.learner.publish_weights, self.version)
         publish_start = time.perf_counter()
@@ -104,6 +107,7 @@ class LearnerWorker:
         self.rows_trained += table.num_rows
         self.last_weights = ref.path
         self.history.append((time.time(), table.num_rows, step_s))
+        self._step_started = None
         self._prune_weights()
         await self._log(batch, advantages, train, step_s, publish_s)
 
@@ -161,6 +165,12 @@ class LearnerWorker:
 
     def busy_fraction(self) -> float:
         return self.busy_s / self.elapsed()
+
+    def progress(self) -> dict:
+        """Version and how long the current step has run (0 between steps): the stall watch."""
+        started = self._step_started
+        return {"version": self.version,
+                "in_step_s": 0.0 if started is None else time.time() - started}
 
     def summary(self) -> dict:
         return {"model_id": self.model_id, "version": self.version,

@@ -28,19 +28,23 @@ class RayRolloutPorts:
     def for_owner(self, owner: str) -> "RayRolloutPorts":
         return RayRolloutPorts(self.clock, self.buffers, self.coach, self.metrics, owner)
 
-    async def admit(self, units: dict[str, int]) -> bool:
-        return await self.clock.try_admit.remote(units, self.owner)
+    async def admit(self, units: dict[str, int], round_id: str) -> bool:
+        return await self.clock.try_admit.remote(units, self.owner, round_id)
 
-    async def shipped(self, units: dict[str, int]) -> None:
-        await self.clock.shipped.remote(units, self.owner)
+    async def generated(self, round_id: str, episodes: dict[str, dict[str, int]]) -> None:
+        await self.clock.generated.remote(round_id, episodes)
 
-    async def release(self, units: dict[str, int]) -> None:
-        await self.clock.abandon.remote(units, self.owner)
+    async def shipped(self, round_id: str) -> None:
+        await self.clock.shipped.remote(round_id)
 
-    async def add_rows(self, model_id: str, records: list[StepRecord]) -> bool:
+    async def abandon(self, round_id: str, rows: int, reason: str) -> None:
+        await self.clock.abandon.remote(round_id, rows, reason)
+
+    async def add_rows(self, model_id: str, records: list[StepRecord], origin: str) -> bool:
         # Converted here, in the (parallel) rollout process: the buffer is one serial actor
         # and ingests this wire form without copying token data.
-        return await self.buffers[model_id].try_add.remote(StepBatch(records_to_table(records)))
+        return await self.buffers[model_id].try_add.remote(
+            StepBatch(records_to_table(records)), origin)
 
     async def seal_episode(self, model_id: str, episode_id: str, num_rows: int) -> None:
         await self.buffers[model_id].seal_episode.remote(episode_id, num_rows)

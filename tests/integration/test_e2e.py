@@ -52,7 +52,9 @@ def test_every_row_is_trained_or_dropped_with_a_reason(e2e_run):
     assert rows["generated"] > 0 and rows["trained"] > 0
     assert rows["unaccounted"] == 0, rows
     assert rows["generated"] == (rows["trained"] + sum(rows["dropped"].values())
-                                 + sum(rows["lost_in_rollout"].values()))
+                                 + sum(rows["lost"].values()))
+    assert summary["engine_restarts"] == 0
+    assert summary["metrics"]["non_finite"] == {}
     buffer = summary["buffers"]["policy"]
     assert buffer["pending_rows"] == 0 and buffer["ready_rows"] == 0  # drained at the end
     assert summary["coach"]["calls"] > 0

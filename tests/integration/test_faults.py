@@ -1,4 +1,9 @@
-"""Failure paths of a live run: a dead rollout actor is replaced and nothing is lost silently."""
+"""Failure paths of a live run: a dead rollout actor is replaced and nothing is lost silently.
+
+The row identity checked here (runtime.controller.row_accounting) compares the ledger's count,
+made before rows are shipped, with what the buffers trained and dropped: it cannot balance by
+construction (tests/integration/test_ledger.py shows it catching one missing row).
+"""
 import time
 from pathlib import Path
 
@@ -21,7 +26,11 @@ def test_killed_rollout_actor_is_replaced_and_rows_stay_accounted(tmp_path):
         while ray.get(run.learners["policy"].summary.remote())["version"] < 1:
             assert time.time() < deadline, "no learner step within 300 s"
             time.sleep(0.5)
-        ray.kill(run.rollouts[0])  # mid-run, with rounds in flight
+        # kill while rounds are in flight: wait until the actor holds admitted rounds
+        while ray.get(run.clock.ledger_stats.remote()).open_rounds == 0:
+            assert time.time() < deadline, "the rollout actor never had a round in flight"
+            time.sleep(0.05)
+        ray.kill(run.rollouts[0])
         run.wait()
         summary = run.finish()
     finally:
@@ -30,4 +39,11 @@ def test_killed_rollout_actor_is_replaced_and_rows_stay_accounted(tmp_path):
     assert summary["learners"]["policy"]["version"] == 5
     rows = summary["rows"]
     assert rows["unaccounted"] == 0, rows
+    assert rows["generated"] == summary["ledger"]["generated"] > 0
+    # the killed actor's rounds were settled: still playing ones freed their units, ones
+    # with rows were counted lost / dropped under actor_crashed
+    crashed = (sum(rows["crashed_actor_units"].values()) + rows["lost"]["actor_crashed"]
+               + rows["dropped"]["actor_crashed"])
+    assert crashed > 0, rows
+    assert summary["ledger"]["open_rounds"] == 0
     assert rows["buffered"] == rows["trained"] + sum(rows["dropped"].values())

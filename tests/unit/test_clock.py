@@ -44,14 +44,37 @@ def test_unknown_model_names_known_ones():
         clock.set_version("ghost", 1)
 
 
-def test_a_dead_owner_gives_its_in_flight_units_back():
-    clock = VersionClock({"a": (2, 0), "b": (2, 0)})
-    assert clock.try_admit({"a": 1, "b": 1}, owner="r0")
-    assert clock.try_admit({"a": 1, "b": 1}, owner="r1")
-    assert not clock.try_admit({"a": 1}, owner="r0")  # full at v=0
-    clock.shipped({"a": 1, "b": 1}, owner="r0")  # r0's round reached the buffers
-    assert clock.release_owner("r0") == {}
-    assert clock.release_owner("r1") == {"a": 1, "b": 1}  # r1 died mid-round
-    assert clock.try_admit({"a": 1, "b": 1}, owner="r2")
-    with pytest.raises(ValueError):
-        clock.shipped({"a": 5}, owner="r2")
+def test_a_dead_owner_gives_back_only_the_units_of_rounds_that_made_no_rows():
+    clock = VersionClock({"a": (3, 0), "b": (3, 0)})
+    assert clock.try_admit({"a": 1, "b": 1}, owner="r0", round_id="played")
+    assert clock.try_admit({"a": 1, "b": 1}, owner="r1", round_id="playing")
+    assert clock.try_admit({"a": 1, "b": 1}, owner="r1", round_id="shipping")
+    assert not clock.try_admit({"a": 1}, owner="r0", round_id="refused")  # full at v=0
+    clock.generated("played", {"e0": {"a": 2, "b": 1}})
+    clock.shipped("played")  # r0's round reached the buffers
+    clock.generated("shipping", {"e1": {"a": 2}, "e2": {"b": 3}})
+    # r1 died: "playing" had no rows yet, so its units come back now; "shipping" may be in
+    # the buffers, so it goes to the controller to reconcile and keeps its units.
+    freed, with_rows = clock.take_owner("r1")
+    assert freed == {"a": 1, "b": 1}
+    assert list(with_rows) == ["shipping"] and with_rows["shipping"].rows == 5
+    assert clock.snapshot()["a"]["issued_units"] == 2
+    assert clock.take_owner("r0") == ({}, {})
+    stats = clock.ledger_stats()
+    assert stats.generated == 8 and stats.closed_rounds == 1 and stats.open_rounds == 0
+
+
+def test_an_abandoned_round_counts_its_rows_lost_and_frees_its_units():
+    clock = VersionClock({"a": (1, 0)})
+    assert clock.try_admit({"a": 1}, owner="r0", round_id="x")
+    clock.abandon("x", rows=4, reason="episode_error")
+    assert clock.try_admit({"a": 1}, owner="r0", round_id="y")
+    clock.generated("y", {"e": {"a": 2}})
+    with pytest.raises(ValueError, match="reconciles"):
+        clock.abandon("y", rows=2, reason="run_stopped")  # rows may be in a buffer already
+    with pytest.raises(ValueError, match="loss reason"):
+        clock.count_lost(1, "vanished")
+    stats = clock.ledger_stats()
+    assert stats.generated == 6 and stats.lost["episode_error"] == 4 and stats.open_rounds == 1
+    with pytest.raises(KeyError, match="not open"):
+        clock.shipped("x")

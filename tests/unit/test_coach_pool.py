@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from actors.coach import CoachConfig, CoachPool, RuleCoach
+from actors.coach import CoachConfig, CoachFailure, CoachPool, RuleCoach
 from actors.episode import CoachRequest
 from actors.workflows.arith_duo import ArithDuo
 from actors.workflows.base import ArithDuoConfig
@@ -47,8 +47,13 @@ def test_submit_returns_before_slow_scores_and_commits_them_later():
 
 
 class Broken:
+    """A coach that raises `error` for every request."""
+
+    def __init__(self, error):
+        self.error = error
+
     async def score(self, request):
-        raise TimeoutError("judge did not answer")
+        raise self.error
 
     def stats(self):
         return {}
@@ -57,19 +62,33 @@ class Broken:
         return None
 
 
-def test_failure_marks_row_failed_without_a_score():
+def run_one(coach):
     async def main():
         rec = Recorder()
-        pool = CoachPool(CoachConfig(), Broken(), rec)
+        pool = CoachPool(CoachConfig(), coach, rec)
         await pool.submit([request("x", "\\boxed{2}")])
         await asyncio.sleep(0.05)
         await pool.close()
         return rec, pool
 
-    rec, pool = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_judge_failure_marks_row_failed_without_a_score():
+    rec, pool = run_one(Broken(CoachFailure("coach_timeout", "judge did not answer")))
     (commit,) = rec.commits
-    assert commit.failed_reason == "coach_error" and commit.reward is None
+    assert commit.failed_reason == "coach_timeout" and commit.reward is None
     assert pool.stats()["failures"] == 1
+    pool.check()  # a judge failure is an outcome of the row, not a reason to stop the run
+
+
+@pytest.mark.parametrize("bug", [KeyError("OPENAI_API_KEY"), ValueError("rule broke")])
+def test_a_programming_error_stops_the_run_instead_of_failing_rows(bug):
+    rec, pool = run_one(Broken(bug))
+    assert rec.commits == []  # no row is failed in its name
+    assert pool.stats()["failures"] == 0
+    with pytest.raises(RuntimeError, match=repr(bug).replace("(", r"\(").replace(")", r"\)")):
+        pool.check()
 
 
 def test_score_now_awaits_inline():
