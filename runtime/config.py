@@ -56,7 +56,7 @@ class RunConfig:
     rollout_cpus: float = 0.25  # Ray CPUs reserved per rollout actor
     keep_weights: int = 3  # published weight versions kept on disk per model
     max_actor_restarts: int = 3  # restarts of a failed rollout actor before the run stops
-    seed: int = 0  # seeds tasks and learners
+    seed: int = 0  # added to the task stream's, the learners' and the engines' seeds
 
     def __post_init__(self) -> None:
         if self.max_steps < 1:

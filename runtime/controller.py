@@ -68,6 +68,7 @@ class Run:
     def __init__(self, cfg: TroupeConfig) -> None:
         self.cfg = cfg
         resolve_dtypes(cfg)
+        apply_run_seed(cfg)
         self.run_dir = make_run_dir(cfg)
         self.run_id = cfg.run.run_id
         self.model_paths = {m: str(resolve_model(mc.path)) for m, mc in cfg.models.items()}
@@ -191,7 +192,7 @@ class Run:
         for es in self.engines.values():
             ray.get([e.ensure_alive.remote() for e in es])
         self._coach_metrics()
-        stats = ray.get([r.stats.remote() for r in self.rollouts.values()])
+        stats = self._rollout_stats()
         elapsed = max(time.time() - self.started_at, 1e-9)
         self.metrics.scalars.remote({
             "perf/episodes_per_s": sum(s["episodes"] for s in stats) / elapsed,
@@ -209,8 +210,19 @@ class Run:
                 self.buffers, ray.get([b.stats.remote() for b in self.buffers.values()]))},
             clock=ray.get(self.clock.snapshot.remote()),
             coach=ray.get(self.coach.stats.remote()),
-            rollouts=ray.get([r.stats.remote() for r in self.rollouts.values()]),
+            rollouts=self._rollout_stats(),
             engines=self._engine_stats())
+
+    def _rollout_stats(self) -> list[dict]:
+        """Stats of the live rollout actors; a dead one is skipped here (its `run` reference
+        reports the death to `wait`, which replaces it and settles its rounds)."""
+        stats = []
+        for index, actor in self.rollouts.items():
+            try:
+                stats.append(ray.get(actor.stats.remote()))
+            except ray.exceptions.RayActorError:
+                log.info("rollout actor %d is dead; wait() replaces it", index)
+        return stats
 
     def _engine_stats(self) -> dict[str, dict]:
         names = [f"{m}-{i}" for m, es in self.engines.items() for i in range(len(es))]
@@ -357,6 +369,17 @@ def resolve_dtypes(cfg: TroupeConfig) -> None:
         mc.engine = dataclasses.replace(
             mc.engine, dtype=resolve_dtype(mc.engine.dtype, device, f"{model_id} engine"))
         mc.learner.dtype = resolve_dtype(mc.learner.dtype, device, f"{model_id} learner")
+
+
+def apply_run_seed(cfg: TroupeConfig) -> None:
+    """`run.seed` offsets every part's own seed: task streams, learners, engine sampling."""
+    seed = cfg.run.seed
+    if not seed:
+        return
+    cfg.rollout.seed += seed
+    for mc in cfg.models.values():
+        mc.learner.seed += seed
+        mc.engine = dataclasses.replace(mc.engine, random_seed=(mc.engine.random_seed or 0) + seed)
 
 
 def _pad_id(model_path: str) -> int:
