@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import ray
 
 from actors.engines.sglang import EngineConfig, SGLangEngine
 from runtime.models import provision_tiny
@@ -41,3 +42,15 @@ def tiny_engine(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
     engine.start()
     yield engine
     engine.close()
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray instance for tests that wire actors by hand (reused if one is up)."""
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+

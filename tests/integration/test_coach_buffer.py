@@ -24,16 +24,6 @@ from buffers.schema import StepRecord, group_key, new_id
 from runtime.rollout_host import BufferCommit
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
 def rows_and_requests(n: int, tag: str) -> tuple[list[StepRecord], list[CoachRequest]]:
     """n single-row groups (each row its own unit) and one coach request per row."""
     rows, requests = [], []

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -20,6 +19,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from actors.engines.client import EngineClient, EngineError, Generation
 from actors.engines.sglang import SGLangEngine
+from weights_helper import save_perturbed_copy
 
 # fp32 engine vs fp32 transformers forward: measured ~1e-6..1e-5 on the tiny model; the bound
 # leaves room for other CPUs while staying far below any real policy difference (> 1e-2).
@@ -103,14 +103,7 @@ def test_weight_update_changes_version_and_policy(tiny_engine: SGLangEngine, tin
     old_model = reference_model(str(tiny_engine.weights_path))
     new_version = tiny_engine.weight_version + 1
     new_path = tmp_path / f"v{new_version}"
-    perturbed = LlamaForCausalLM.from_pretrained(tiny_engine.weights_path, dtype=torch.float32)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for param in perturbed.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    perturbed.save_pretrained(new_path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(tiny_model_path / name, new_path / name)
+    save_perturbed_copy(tiny_engine.weights_path, tiny_model_path, new_path, seed=1)
 
     answer = tiny_engine.update_weights_from_disk(new_path, new_version)
     assert answer["success"], answer

@@ -13,7 +13,6 @@ import asyncio
 import dataclasses
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from transformers import LlamaForCausalLM
 
 from actors.engines.sglang import EngineConfig, SGLangEngine
 from actors.engines.supervision import RestartBudget
+from weights_helper import save_perturbed_copy
 
 PROMPT = [3, 10, 20, 30, 40]  # tiny-model token ids (bos first)
 
@@ -144,19 +144,6 @@ def test_stopped_server_is_restarted_after_the_window(tiny_engine, supervised, c
     assert "no progress for" in caplog.text
     assert group_members(pgid, include_zombies=True) == []  # no stopped process leaked
     assert generate_once(tiny_engine.url)["meta_info"]["finish_reason"]
-
-
-def save_perturbed_copy(source: Path, tokenizer_dir: Path, target: Path) -> Path:
-    """Write `source`'s weights plus noise as an HF folder (as a learner step would)."""
-    model = LlamaForCausalLM.from_pretrained(source, dtype=torch.float32)
-    torch.manual_seed(7)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    model.save_pretrained(target)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(tokenizer_dir / name, target / name)
-    return target
 
 
 def test_killed_server_restarts_at_once_on_the_latest_weights(

@@ -11,23 +11,12 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import pytest
 import ray
 
 from buffers.clock import VersionClock
 from buffers.replay import BufferConfig, ReplayBuffer
 from buffers.schema import RewardCommit, StepRecord, group_key, new_id
 from runtime.controller import close_books, row_accounting
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 def joint_round(round_id: str, episodes: int, turns: int) -> dict[str, list[StepRecord]]:
