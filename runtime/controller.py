@@ -156,8 +156,7 @@ class Run:
                 else:
                     self._on_rollout_exit(ref)
             if time.time() - last_status > 5:
-                self._status()
-                self._watch_stall()
+                self._watch_stall(self._status())
                 last_status = time.time()
             wall = self.cfg.run.max_wall_s
             if wall and time.time() - self.started_at > wall:
@@ -186,19 +185,24 @@ class Run:
         freed = close_books(self.clock, self.buffers, self.readiness, owner, reason)
         self.crashed_units = _add_counts([self.crashed_units, freed])
 
-    def _status(self) -> None:
-        """Coach and engine supervision plus the periodic coach/perf metrics."""
+    def _status(self) -> Snapshot:
+        """Coach and engine supervision plus the periodic metrics; returns the counters."""
         ray.get(self.coach.check.remote())  # a coach programming error stops the run here
         for es in self.engines.values():
             ray.get([e.ensure_alive.remote() for e in es])
         self._coach_metrics()
-        stats = self._rollout_stats()
+        now = self._snapshot()
         elapsed = max(time.time() - self.started_at, 1e-9)
-        self.metrics.scalars.remote({
-            "perf/episodes_per_s": sum(s["episodes"] for s in stats) / elapsed,
-            "perf/rollout_actors": float(len(stats)),
-            "perf/admission_waits": float(sum(s["admission_waits"] for s in stats)),
-        })
+        scalars = {
+            "perf/episodes_per_s": sum(s["episodes"] for s in now.rollouts) / elapsed,
+            "perf/rollout_actors": float(len(now.rollouts)),
+            "perf/admission_waits": float(sum(s["admission_waits"] for s in now.rollouts)),
+        }
+        for name, stats in now.engines.items():
+            for key in ("restarts", "busy_probes", "last_progress_age_s"):
+                scalars[f"perf/engines/{name}/{key}"] = float(stats[key])
+        self.metrics.scalars.remote(scalars)
+        return now
 
     def _snapshot(self) -> Snapshot:
         """Every part's counters now (for the stall watchdog)."""
@@ -229,12 +233,11 @@ class Run:
         stats = ray.get([e.stats.remote() for es in self.engines.values() for e in es])
         return dict(zip(names, stats))
 
-    def _watch_stall(self) -> None:
+    def _watch_stall(self, now: Snapshot) -> None:
         """Stop the run with a diagnosis when no learner stepped for run.stall_timeout_s."""
         timeout = self.cfg.run.stall_timeout_s
         if not timeout:
             return
-        now = self._snapshot()
         if now.versions() != self.stall_base.versions():
             self.stall_base = now
             return
