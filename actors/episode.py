@@ -89,14 +89,18 @@ class ModelRoute:
     def next_client(self) -> Generator:
         return next(self._clients)
 
-    def encode(self, messages: list[dict[str, str]] | str) -> list[int]:
-        """Chat messages through the model's template, or a raw completion prompt as is."""
+    def encode(self, messages: list[dict[str, str]] | str, prefix: str = "") -> list[int]:
+        """Chat messages through the model's template, or a raw completion prompt as is.
+
+        `prefix` opens the reply (e.g. "The final answer is \\boxed{"): it is part of the
+        prompt, so its tokens are conditioned on and never trained.
+        """
         if isinstance(messages, str):
             text = messages
         else:  # render then encode once: the exact ids sent to the engine are the ones stored
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                       tokenize=False)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(text + prefix, add_special_tokens=False)["input_ids"])
 
     def decode(self, ids: np.ndarray) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
@@ -142,18 +146,19 @@ class Episode:
 
     async def act(self, agent: str, messages: list[dict[str, str]] | str, *, turn: int,
                   n: int = 1,
-                  max_new_tokens: int, parent_branch: str = "",
+                  max_new_tokens: int, parent_branch: str = "", prefix: str = "",
                   meta: dict[str, Any] | None = None) -> list[Action]:
         """Generate n candidates for `agent` and record one row per candidate.
 
-        `messages` is a chat (rendered with the model's template) or a raw completion prompt.
+        `messages` is a chat (rendered with the model's template) or a raw completion prompt;
+        `prefix` opens the reply (prompt tokens, not trained) and starts each `Action.text`.
         Returns the candidates in order; `Action.candidate` is the row's index in its group.
         """
         if agent not in self.agent_models:
             raise KeyError(f"agent {agent!r} has no model; known agents: {sorted(self.agent_models)}")
         model_id = self.agent_models[agent]
         route = self.routes[model_id]
-        prompt_ids = route.encode(messages)
+        prompt_ids = route.encode(messages, prefix)
         generations = await route.next_client().generate(
             prompt_ids, n=n, max_new_tokens=max_new_tokens,
             temperature=self.sampling.temperature, top_p=self.sampling.top_p)
@@ -169,7 +174,7 @@ class Episode:
         for i, gen in enumerate(generations):
             step_id = new_id()
             candidate = i if tree else self.round_index
-            text = route.decode(gen.response_ids)
+            text = prefix + route.decode(gen.response_ids)
             self.generated_tokens += len(gen.response_ids)
             row_meta = {"response_len": int(len(gen.response_ids)), "text": text[:200]}
             row_meta.update(meta or {})

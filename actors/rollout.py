@@ -1,10 +1,11 @@
 """Long-lived rollout actor: C concurrent rounds on asyncio, forever, until stopped.
 
 Each slot loops: make a task, ask the version clock for admission (DESIGN §5), play a round
-(G joint episodes or one tree-sampled episode), push its rows to the buffers of the models
-that produced them, then hand the coach requests to the coach pool (fire-and-forget; in the
-synchronous baseline they are awaited inline first). Rollout actors are stateless: a crash
-loses only in-flight rounds, and those rows are counted with a reason, never silently.
+(G joint episodes or one tree-sampled episode), report its rows to the round ledger (held by
+the clock, buffers/ledger.py), push them to the buffers of the models that produced them,
+then hand the coach requests to the coach pool (fire-and-forget; in the synchronous baseline
+they are awaited inline first). Rollout actors are stateless: a crash loses only in-flight
+rounds, and the ledger, not this actor, knows their rows, so they are counted with a reason.
 """
 from __future__ import annotations
 
@@ -50,10 +51,11 @@ class RolloutConfig:
 class RolloutPorts(Protocol):
     """How a rollout actor reaches the rest of the system (runtime provides it)."""
 
-    async def admit(self, units: dict[str, int]) -> bool: ...
-    async def shipped(self, units: dict[str, int]) -> None: ...
-    async def release(self, units: dict[str, int]) -> None: ...
-    async def add_rows(self, model_id: str, records: list[StepRecord]) -> bool: ...
+    async def admit(self, units: dict[str, int], round_id: str) -> bool: ...
+    async def generated(self, round_id: str, episodes: dict[str, dict[str, int]]) -> None: ...
+    async def shipped(self, round_id: str) -> None: ...
+    async def abandon(self, round_id: str, rows: int, reason: str) -> None: ...
+    async def add_rows(self, model_id: str, records: list[StepRecord], origin: str) -> bool: ...
     async def seal_episode(self, model_id: str, episode_id: str, num_rows: int) -> None: ...
     async def submit_coach(self, requests: list[CoachRequest]) -> None: ...
     async def score_now(self, requests: list[CoachRequest]) -> dict: ...
@@ -86,7 +88,8 @@ class RolloutActor:
         self.episodes = 0
         self.rows_generated = 0
         self.rows_added = 0
-        self.rows_lost: Counter[str] = Counter()
+        self.rounds_failed: Counter[str] = Counter()  # reason -> rounds abandoned
+        self.last_error = ""  # the latest round failure, for the run's stall diagnosis
         self.admission_waits = 0
         self.backpressure_waits = 0
         self.started_at = time.time()
@@ -117,15 +120,15 @@ class RolloutActor:
             index = next(self._task_index)
             task = self.workflow.make_task(self._rng, index)
             task = dataclasses.replace(task, task_id=f"{task.task_id}-a{self.actor_index}")
-            while not await self.ports.admit(units):
+            round_id = new_id()
+            while not await self.ports.admit(units, round_id):
                 self.admission_waits += 1
                 await asyncio.sleep(self.cfg.admission_poll_s)
-            await self._play_round(task, units)
+            await self._play_round(task, round_id)
 
-    def _episodes_for(self, task) -> list[Episode]:
+    def _episodes_for(self, task, round_id: str) -> list[Episode]:
         g = self.workflow_cfg.group_size
         joint = self.workflow.sampling == "joint"
-        round_id = new_id()
         count = g if joint else 1
         return [Episode(run_id=self.run_id, workflow=self.workflow.name, task_id=task.task_id,
                         round_id=round_id, round_size=count, round_index=i, group_size=g,
@@ -134,18 +137,17 @@ class RolloutActor:
                         sync_scorer=self.ports.score_now if self.cfg.sync_coach else None)
                 for i in range(count)]
 
-    async def _play_round(self, task, units: dict[str, int]) -> None:
-        episodes = self._episodes_for(task)
+    async def _play_round(self, task, round_id: str) -> None:
+        episodes = self._episodes_for(task, round_id)
         try:
             results = await asyncio.gather(*(self.workflow.run(task, ep) for ep in episodes))
         except asyncio.CancelledError:
-            self._count_lost(episodes, "run_stopped")
-            await self.ports.release(units)
+            await self._abandon(round_id, episodes, "run_stopped")
             raise
         except Exception as exc:  # counted: the round's rows are lost with a reason
-            self._count_lost(episodes, "episode_error")
-            await self.ports.release(units)
+            await self._abandon(round_id, episodes, "episode_error")
             self._consecutive_failures += 1
+            self.last_error = f"{task.task_id}: {exc!r}"
             log.warning("round of %s failed (%d in a row): %r", task.task_id,
                         self._consecutive_failures, exc)
             if self._consecutive_failures >= self.cfg.max_consecutive_failures:
@@ -153,16 +155,22 @@ class RolloutActor:
                                    f"{self._consecutive_failures} rounds failed in a row") from exc
             return
         self._consecutive_failures = 0
+        # The ledger learns the rows before any is shipped: if this actor dies while shipping,
+        # the controller still knows what should have arrived (buffers/ledger.py).
+        await self.ports.generated(round_id, {
+            ep.episode_id: {m: len(records) for m, records in ep.records().items()}
+            for ep in episodes})
         await self._ship(episodes, results)
-        await self.ports.shipped(units)
+        await self.ports.shipped(round_id)
         self.rounds += 1
         self.episodes += len(episodes)
         self._report(results)
 
-    def _count_lost(self, episodes: list[Episode], reason: str) -> None:
-        lost = sum(ep.num_rows for ep in episodes)
-        self.rows_generated += lost
-        self.rows_lost[reason] += lost
+    async def _abandon(self, round_id: str, episodes: list[Episode], reason: str) -> None:
+        rows = sum(ep.num_rows for ep in episodes)
+        self.rows_generated += rows
+        self.rounds_failed[reason] += 1
+        await self.ports.abandon(round_id, rows, reason)
 
     async def _ship(self, episodes: list[Episode], results: list[dict[str, float]]) -> None:
         """Buffer every row (waiting on backpressure), seal episodes, then ask the coach.
@@ -172,21 +180,16 @@ class RolloutActor:
         """
         batches = [(ep, model_id, records) for ep in episodes
                    for model_id, records in ep.records().items()]
-        total = sum(len(records) for _, _, records in batches)
-        self.rows_generated += total
-        shipped = 0
-        try:
-            for ep, model_id, records in batches:
-                while not await self.ports.add_rows(model_id, records):
-                    self.backpressure_waits += 1
-                    await asyncio.sleep(0.05)
-                shipped += len(records)
-                self.rows_added += len(records)
-                if self.readiness[model_id] == "episode":
-                    await self.ports.seal_episode(model_id, ep.episode_id, len(records))
-        except asyncio.CancelledError:
-            self.rows_lost["run_stopped"] += total - shipped
-            raise
+        self.rows_generated += sum(len(records) for _, _, records in batches)
+        # A cancellation (run stop) in here leaves the round open in the ledger: the
+        # controller then counts what did not reach a buffer against the ledger's rows.
+        for ep, model_id, records in batches:
+            while not await self.ports.add_rows(model_id, records, ep.episode_id):
+                self.backpressure_waits += 1
+                await asyncio.sleep(0.05)
+            self.rows_added += len(records)
+            if self.readiness[model_id] == "episode":
+                await self.ports.seal_episode(model_id, ep.episode_id, len(records))
         for ep in episodes:  # synchronous mode: rows the inline coach failed on
             for model_id, commits in ep.coach_failures.items():
                 await self.ports.commit_rewards(model_id, commits)
@@ -207,7 +210,8 @@ class RolloutActor:
         return {
             "actor": self.actor_index, "rounds": self.rounds, "episodes": self.episodes,
             "episodes_per_s": self.episodes / elapsed, "rows_generated": self.rows_generated,
-            "rows_added": self.rows_added, "rows_lost": dict(self.rows_lost),
+            "rows_added": self.rows_added, "rounds_failed": dict(self.rounds_failed),
+            "last_error": self.last_error,
             "admission_waits": self.admission_waits,
             "backpressure_waits": self.backpressure_waits,
         }

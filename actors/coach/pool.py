@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import traceback
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Protocol
@@ -78,6 +79,12 @@ class CoachPool:
         self.requests = self.duplicates = self.in_flight = self.scored = 0
         self.scores_committed = self.commit_failures = 0
         self.started_at: float | None = None
+        self.fatal: str | None = None  # a programming error in the coach: stops the run
+
+    def check(self) -> None:
+        """Raise the coach's programming error, if one happened (the controller polls this)."""
+        if self.fatal is not None:
+            raise RuntimeError(self.fatal)
 
     def _ensure_workers(self) -> asyncio.Queue:
         if self._queue is None:
@@ -137,14 +144,17 @@ class CoachPool:
             verdict = await self.coach.score(request)
             if not 0.0 <= verdict.score <= 1.0:
                 raise ValueError(f"coach returned {verdict.score}; must be in [0, 1]")
-        except CoachFailure as exc:
+        except CoachFailure as exc:  # the judge failed (HTTP, parse, timeout): the row fails
             self.failures[exc.reason] += 1
             log.warning("coach gave up on step %s: %s", request.step_id, exc)
             return None, exc.reason
-        except Exception as exc:  # a rule that raises, a bad value: counted, never a default
-            self.failures["coach_error"] += 1
-            log.warning("coach failed on step %s: %r", request.step_id, exc)
-            return None, "coach_error"
+        except Exception as exc:
+            # A programming error (a rule that raises, a missing API-key variable, a score out
+            # of range) would fail every row alike and starve the learners: the run stops.
+            self.fatal = (f"coach raised {exc!r} scoring step {request.step_id} "
+                          f"(agent {request.agent}):\n{traceback.format_exc()}")
+            log.error("coach bug; the run will stop: %s", self.fatal)
+            raise
         finally:
             self.in_flight -= 1
             self.book.latencies.append(time.perf_counter() - start)

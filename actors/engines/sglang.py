@@ -57,7 +57,9 @@ class EngineConfig:
     """How one SGLang server is launched and supervised."""
 
     device: str = "cpu"  # "cpu" (transformers model impl, torch attention) or "cuda"
-    dtype: str = "float32"  # serving dtype; float32 keeps logprobs within ~1e-5 of the learner
+    # serving dtype; float32 keeps logprobs within ~1e-5 of the learner; "auto" (the run
+    # default) is resolved by the runtime to bf16 where the machine has it natively
+    dtype: str = "float32"
     max_total_tokens: int = 8192  # KV-cache token slots; bounds server memory (~GBs if unset)
     context_length: int | None = None  # prompt + response limit; None = the model's config
     mem_fraction_static: float | None = None  # cuda only: GPU memory share for weights + KV
@@ -214,6 +216,11 @@ class SGLangEngine:
             return self._start()
 
     def _start(self) -> str:
+        if self.cfg.dtype == "auto":  # SGLang's own "auto" would serve fp32 weights in fp16
+            raise ValueError(
+                f"engine {self.model_id}: EngineConfig.dtype='auto' reached the engine "
+                "unresolved; the runtime resolves it (runtime.dtype.resolve_dtype) — outside "
+                "a run pass 'float32' or 'bfloat16'")
         if self._proc is not None and self._proc.poll() is None:
             raise RuntimeError(f"engine {self.model_id} already running at {self.url}")
         if self._port is None:

@@ -19,8 +19,12 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 SOLVER_SYSTEM = ("You are a careful math solver. Work the problem out step by step in a few "
                  "short lines and end with the result.")
-VERIFIER_SYSTEM = ("You are a verifier. Check the solver's work, fix any mistake, and give the "
-                   "final answer as \\boxed{N}.")
+VERIFIER_SYSTEM = "You are a verifier. Check the solver's work and fix any mistake."
+# The verifier's reply opens with this (prompt tokens, not trained): a 135M model almost never
+# writes \\boxed{} unprompted (0 of 48 sampled replies), while after this opening it fills in a
+# number most of the time, and the right one about 40 % of the time when the solver's draft
+# holds it (3 % when it does not) — the team signal GRPO starts from.
+VERIFIER_PREFIX = "The final answer is \\boxed{"
 
 
 def num_eq(a: float, b: float, delta: float = 1e-6) -> bool:
@@ -83,13 +87,12 @@ class ArithDuo:
         best = max(drafts, key=lambda d: self.rule_score("solver", task, d.text,
                                                           d.finish_reason, {}))
         episode.keep(best)
-        verifier_prompt = (f"Question: {task.prompt}\nSolver's work: {best.text.strip()}\n"
-                           "Give the final answer as \\boxed{N}.")
+        verifier_prompt = f"Question: {task.prompt}\nSolver's work: {best.text.strip()}"
         answers = await episode.act(
             "verifier", [{"role": "system", "content": VERIFIER_SYSTEM},
                          {"role": "user", "content": verifier_prompt}],
             turn=1, n=k, max_new_tokens=self.cfg.verifier_tokens,
-            parent_branch=str(best.candidate))
+            parent_branch=str(best.candidate), prefix=VERIFIER_PREFIX)
         await episode.coach(answers, input_text=verifier_prompt)
         scores = [self.rule_score("verifier", task, a.text, a.finish_reason, {}) for a in answers]
         chosen = answers[max(range(k), key=scores.__getitem__)]
