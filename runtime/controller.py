@@ -190,8 +190,7 @@ class Run:
         ray.get(self.coach.check.remote())  # a coach programming error stops the run here
         for es in self.engines.values():
             ray.get([e.ensure_alive.remote() for e in es])
-        self._coach_metrics()
-        now = self._snapshot()
+        now = self._snapshot(coach=self._coach_metrics())
         elapsed = max(time.time() - self.started_at, 1e-9)
         scalars = {
             "perf/episodes_per_s": sum(s["episodes"] for s in now.rollouts) / elapsed,
@@ -204,8 +203,8 @@ class Run:
         self.metrics.scalars.remote(scalars)
         return now
 
-    def _snapshot(self) -> Snapshot:
-        """Every part's counters now (for the stall watchdog)."""
+    def _snapshot(self, coach: dict | None = None) -> Snapshot:
+        """Every part's counters now (for the stall watchdog); `coach` if already fetched."""
         learners = ray.get([w.progress.remote() for w in self.learners.values()])
         return Snapshot(
             at=time.time(),
@@ -213,7 +212,7 @@ class Run:
             buffers={m: asdict(s) for m, s in zip(
                 self.buffers, ray.get([b.stats.remote() for b in self.buffers.values()]))},
             clock=ray.get(self.clock.snapshot.remote()),
-            coach=ray.get(self.coach.stats.remote()),
+            coach=coach if coach is not None else ray.get(self.coach.stats.remote()),
             rollouts=self._rollout_stats(),
             engines=self._engine_stats())
 
