@@ -1,14 +1,27 @@
-"""Asynchronous vs synchronous throughput with a slow HTTP coach (DESIGN §12).
+"""Asynchronous vs synchronous throughput with a slow HTTP coach (DESIGN §12), and the mixed cells.
 
 The same arith_duo workload on the tiny model, scored by the HTTP coach (`coach.kind=http`)
 talking to a loopback OpenAI-compatible judge this script starts (actors/coach/loopback.py)
-that answers `PROCESS_SCORE: N` after a server-side delay of 0.5 s, 3 s and 10 s; in async
-mode (η = 2, coach off the critical path) and synchronous mode (η = 0, coach awaited inside
-the episode). Prints rewarded rows trained per second (after a warm-up step) and the
-learner busy fraction of each, then the ratios. `--coach rule` uses the RuleCoach's injected
-latency instead of HTTP. CPU:
-    python scripts/bench_async.py                 # ~15-20 minutes on 2 cores
-    python scripts/bench_async.py --steps 6 --latencies 3
+that answers `PROCESS_SCORE: N` after a server-side delay (the coach latency). Cells, each a
+fresh run (engines, learner, buffers) whose overrides are printed in the closing table:
+- async: η = 2 (models.policy.learner.max_staleness=2), coach off the path
+  (rollout.sync_coach=false), at each `--latencies` value;
+- sync, the DESIGN §12 baseline: η = 0 and the coach awaited inside the episode
+  (rollout.sync_coach=true), at each `--latencies` value;
+- the two mixed cells at `--mixed-at` (3 s): η = 2 with the coach inline, and η = 0 with
+  the coach off the path, which say how much of the gain is staleness and how much the coach;
+- the reference: async with an instant coach (judge delay 0), the learner's busy fraction
+  when the coach costs nothing.
+Engines and learners run with `dtype: auto` (runtime/dtype.py), printed with its reason.
+Each cell prints rewarded rows trained per second and the learner busy fraction after one
+warm-up step (the first waits for engines, compilation and the first coach round trip).
+`--coach rule` uses the RuleCoach's injected latency instead of HTTP.
+
+Tiny CPU run (~6 minutes on 2 cores):
+    python scripts/bench_async.py --steps 3 --latencies 3 --mixed-at
+Default, 9 runs of 8 learner steps (measured: 18.7 min on a 2-core AMD EPYC with avx512_bf16,
+shared with other jobs at load average 3-14; each run prints its wall time):
+    python scripts/bench_async.py
 Cluster: the same command inside `ray job submit --working-dir . -- python scripts/...`.
 The last line reads `async/sync throughput at 3s coach: <ratio>`.
 """
@@ -17,12 +30,15 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.coach.loopback import LoopbackJudge  # noqa: E402
-from runtime.config import load_config  # noqa: E402
+from bench_env import dtype_header  # noqa: E402
+from runtime.config import TroupeConfig, load_config  # noqa: E402
 from runtime.controller import run  # noqa: E402
 
 BASE = [
@@ -30,9 +46,20 @@ BASE = [
     "workflow.agents.verifier=policy", "workflow.group_size=4",
     "workflow.arith_duo.solver_tokens=16", "workflow.arith_duo.verifier_tokens=8",
     "models.policy.path=tiny", "models.policy.engine.max_total_tokens=8192",
+    "models.policy.engine.dtype=auto", "models.policy.learner.dtype=auto",
     "models.policy.learner.lr=1e-4", "models.policy.learner.batch_units=4",
     "rollout.concurrency=4", "run.name=bench-async", "run.keep_weights=2",
 ]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run: staleness bound, where the coach sits, and its latency."""
+
+    name: str
+    eta: int  # models.policy.learner.max_staleness
+    coach_inline: bool  # rollout.sync_coach
+    latency_s: float  # the judge's server-side delay (or the RuleCoach's injected latency)
 
 
 def coach_overrides(coach: str, latency: float, judge: LoopbackJudge | None) -> list[str]:
@@ -45,60 +72,106 @@ def coach_overrides(coach: str, latency: float, judge: LoopbackJudge | None) -> 
             f"timeout_s: {latency + 30}, max_concurrency: 64}}]"]
 
 
-def measure(steps: int, latency: float, mode: str, runs_dir: str, coach: str,
-            judge: LoopbackJudge | None) -> dict:
-    eta = 0 if mode == "sync" else 2
-    overrides = BASE + coach_overrides(coach, latency, judge) + [
+def cell_config(cell: Cell, steps: int, runs_dir: str, coach: str,
+                judge: LoopbackJudge | None) -> TroupeConfig:
+    overrides = BASE + coach_overrides(coach, cell.latency_s, judge) + [
         f"run.max_steps={steps}", f"run.runs_dir={runs_dir}",
-        f"models.policy.learner.max_staleness={eta}",
-        f"rollout.sync_coach={'true' if mode == 'sync' else 'false'}",
+        f"models.policy.learner.max_staleness={cell.eta}",
+        f"rollout.sync_coach={'true' if cell.coach_inline else 'false'}",
     ]
-    summary = run(load_config(None, overrides))
-    history = summary["learners"]["policy"]["history"]
-    # Warm-up: the first step waits for engines, compilation and the first coach round trip.
+    return load_config(None, overrides)
+
+
+def measure(cfg: TroupeConfig) -> dict:
+    """One run; throughput and busy fraction over the steps after the first."""
+    started = time.perf_counter()
+    summary = run(cfg)
+    history = summary["learners"]["policy"]["history"]  # (step end time, rows, step seconds)
     (t0, _, _), rest = history[0], history[1:]
     elapsed = rest[-1][0] - t0
-    rows = sum(r for _, r, _ in rest)
-    busy = sum(b for _, _, b in rest)
-    return {"rows_per_s": rows / elapsed, "busy_fraction": busy / elapsed,
+    return {"rows_per_s": sum(r for _, r, _ in rest) / elapsed,
+            "busy_fraction": sum(b for _, _, b in rest) / elapsed,
             "unaccounted": summary["rows"]["unaccounted"],
             "coach_failures": summary["coach"]["failures"],
-            "coach_p50_s": summary["coach"]["latency_p50_s"]}
+            "coach_p50_s": summary["coach"]["latency_p50_s"],
+            "dtypes": summary["dtypes"]["policy"], "wall_s": time.perf_counter() - started}
+
+
+def plan(latencies: list[float], mixed_at: list[float]) -> list[Cell]:
+    cells = [Cell("instant", 2, False, 0.0)]
+    for latency in latencies:
+        cells += [Cell("async", 2, False, latency), Cell("sync", 0, True, latency)]
+    for latency in mixed_at:
+        cells += [Cell("η2 inline", 2, True, latency), Cell("η0 async", 0, False, latency)]
+    return cells
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8, help="learner steps per setting")
+    parser.add_argument("--steps", type=int, default=8, help="learner steps per cell")
     parser.add_argument("--latencies", type=float, nargs="+", default=[0.5, 3.0, 10.0],
                         help="coach latency (server-side delay of the judge), seconds")
+    parser.add_argument("--mixed-at", type=float, nargs="*", default=[3.0],
+                        help="latencies of the two mixed cells (none: skip them)")
     parser.add_argument("--coach", choices=("http", "rule"), default="http")
     parser.add_argument("--runs-dir", default="runs/bench")
     args = parser.parse_args()
+    if not set(args.mixed_at) <= set(args.latencies):
+        parser.error(f"--mixed-at {args.mixed_at} must be among --latencies {args.latencies} "
+                     "(the mixed cells are compared with the sync cell at the same latency)")
     logging.basicConfig(level=logging.WARNING)
+    _, header = dtype_header("cpu")
+    print(header, flush=True)
     judge = LoopbackJudge() if args.coach == "http" else None
-    results = {}
+    cells = plan(args.latencies, args.mixed_at)
+    results, started = {}, time.perf_counter()
     try:
-        for latency in args.latencies:
-            for mode in ("async", "sync"):
-                results[latency, mode] = r = measure(args.steps, latency, mode, args.runs_dir,
-                                                     args.coach, judge)
-                print(f"coach {latency:>4.1f}s  {mode:<5}  rows/s {r['rows_per_s']:8.2f}  "
-                      f"learner busy {r['busy_fraction']:6.1%}  coach p50 "
-                      f"{r['coach_p50_s']:5.2f}s  coach failures {r['coach_failures']:.0f}  "
-                      f"unaccounted rows {r['unaccounted']}", flush=True)
+        for cell in cells:
+            cfg = cell_config(cell, args.steps, args.runs_dir, args.coach, judge)
+            results[cell] = r = measure(cfg)
+            r["config"] = (cfg.models["policy"].learner.max_staleness, cfg.rollout.sync_coach)
+            print(f"{cell.name:<10} coach {cell.latency_s:>4.1f}s  rows/s {r['rows_per_s']:8.2f}  "
+                  f"learner busy {r['busy_fraction']:6.1%}  coach p50 {r['coach_p50_s']:5.2f}s  "
+                  f"coach failures {r['coach_failures']:.0f}  unaccounted rows {r['unaccounted']}  "
+                  f"({r['wall_s']:.0f} s)", flush=True)
     finally:
         if judge is not None:
             judge.close()
-    print()
-    print(f"{'coach':>7} {'async rows/s':>13} {'sync rows/s':>12} {'ratio':>7} "
+    report(cells, results, args, time.perf_counter() - started)
+
+
+def report(cells: list[Cell], results: dict, args, wall_s: float) -> None:
+    instant = results[cells[0]]
+    print(f"\n{len(cells)} runs of {args.steps} learner steps ({args.coach} coach) in "
+          f"{wall_s / 60:.1f} min; busy/instant = learner busy over the instant-coach run's")
+    print(f"{'cell':<10} {'coach':>6} {'max_staleness':>13} {'sync_coach':>10} "
+          f"{'dtype engine/learner':>21} "
+          f"{'rows/s':>8} {'busy':>7} {'busy/instant':>12}")
+    for cell in cells:
+        r = results[cell]
+        eta, inline = r["config"]
+        dtypes = f"{r['dtypes']['engine']}/{r['dtypes']['learner']}"
+        print(f"{cell.name:<10} {cell.latency_s:>5.1f}s {eta:>13} {str(inline).lower():>10} "
+              f"{dtypes:>21} {r['rows_per_s']:>8.2f} {r['busy_fraction']:>7.1%} "
+              f"{r['busy_fraction'] / instant['busy_fraction']:>12.2f}")
+    print(f"\n{'coach':>7} {'async rows/s':>13} {'sync rows/s':>12} {'ratio':>7} "
           f"{'busy async':>11} {'busy sync':>10}")
+    by = {(c.name, c.latency_s): results[c] for c in cells}
     for latency in args.latencies:
-        a, s = results[latency, "async"], results[latency, "sync"]
+        a, s = by["async", latency], by["sync", latency]
         print(f"{latency:>6.1f}s {a['rows_per_s']:>13.2f} {s['rows_per_s']:>12.2f} "
               f"{a['rows_per_s'] / s['rows_per_s']:>7.2f} {a['busy_fraction']:>11.1%} "
               f"{s['busy_fraction']:>10.1%}")
     key = 3.0 if 3.0 in args.latencies else args.latencies[-1]
-    ratio = results[key, "async"]["rows_per_s"] / results[key, "sync"]["rows_per_s"]
+    for latency in args.mixed_at:
+        sync = by["sync", latency]["rows_per_s"]
+        print(f"at {latency:g}s coach, rows/s over sync: staleness alone (η2 inline) "
+              f"{by['η2 inline', latency]['rows_per_s'] / sync:.2f}, coach off the path alone "
+              f"(η0 async) {by['η0 async', latency]['rows_per_s'] / sync:.2f}, both (async) "
+              f"{by['async', latency]['rows_per_s'] / sync:.2f}")
+    busy = by["async", key]["busy_fraction"] / instant["busy_fraction"]
+    print(f"learner busy at {key:g}s coach vs instant-coach run: {busy:.2f}")
+    ratio = by["async", key]["rows_per_s"] / by["sync", key]["rows_per_s"]
     print(f"async/sync throughput at {key:g}s coach: {ratio:.2f}")
 
 

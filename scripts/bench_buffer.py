@@ -1,47 +1,55 @@
-"""What the buffer actor pays per row: ReplayBuffer against a list-of-dicts buffer.
+"""Rows from the episode to the learner: ReplayBuffer against a dict-of-lists buffer.
 
-Run (about half a minute on one CPU core):  python scripts/bench_buffer.py
-Options: --rows 20000 --arrival-rows 20 --batch-units 64 --reps 3
+Tiny CPU run (seconds):     python scripts/bench_buffer.py --rows 2000 --reps 1
+Default (measured: 47 s on a 2-core AMD EPYC, load average 3-7 from other jobs):
+    python scripts/bench_buffer.py
+Cluster (no GPU or Ray needed; one process on any node):
+    python scripts/bench_buffer.py --rows 200000 --arrival-rows 20 --batch-units 256
 
-In production the buffer is ONE actor that every rollout actor sends rows to and every
-learner pulls from, so its per-row cost is the system's serial bottleneck, while work on the
-producer side is spread over many rollout actors. Both buffers are therefore charged exactly
-what that actor does, measured the same way:
-- insert: pickle.loads of each producer message + the insert. The messages are pickled
-  (protocol 5) BEFORE timing: that is the producer's / the transport's sender side. The
-  list-of-dicts message is the rows as an engine's JSON gives them (Python int lists); the
-  ReplayBuffer message is a StepBatch built with records_to_table (it travels as numpy
-  scalars, label lists and one Arrow IPC message). Messages hold 20 rows by default, five
-  groups of 4: what a rollout actor sends after a round (a tree round of K=4 sends
-  K + K*K = 20 rows; try --arrival-rows 8 or 16). An extra line feeds the same
-  ReplayBuffer bare pickled pa.Tables, which it must split itself.
-- commit: pickle.loads of each batch of 64 reward commits + applying them. The baseline gets
-  (step_id, reward) tuples; the ReplayBuffer gets one RewardColumns message (step_ids + a
-  float32 array), and an extra line gives it lists of RewardCommit instead.
-- sample: building the learner-ready output (contiguous numpy token arrays + offsets for the
-  baseline, the ReadyBatch's Arrow table for ReplayBuffer) + pickle.dumps (protocol 5) of it
-  for the trip to the learner. The learner's unpickling and the checksum are not timed.
-NOT charged to the buffer, printed separately: building and pickling each StepBatch from
-Python lists (lists -> numpy -> records_to_table -> wire form), which the rollout actors do
-in parallel.
-Memory overhead is resident bytes (all rows held) over raw token bytes (4 B per prompt token,
-12 B per response token: id, logprob, version).
+Both sides start from the same input, the rows exactly as `Episode.records()` makes them
+(StepRecords holding np.int32 / np.float32 arrays from the engine client; the K candidates
+of one action share one prompt array), and end at the same output, the arrays the learner
+reads (token values + offsets, reward, staleness, unit offsets and the columns advantages
+and metrics read: group_key, episode_id, agent, turn, branch, candidate; a checksum
+asserts both hand out the same rows, batch by batch, byte for byte). Every phase is timed the
+same way for both, and all of them count:
+- produce (rollout process): pickling the message (pickle protocol 5, in-band, standing in
+  for Ray's serialiser). The ReplayBuffer's message is `StepBatch(records_to_table(records))`
+  as `runtime/rollout_host.py add_rows` builds it, split into wire form while pickled; the
+  baseline's is the list of records itself.
+- insert (buffer actor): unpickle + add.
+- commit (buffer actor): unpickle + apply 64 `RewardCommit`s, the form the coach pool and
+  the rollout actor send (an extra line gives the ReplayBuffer `RewardColumns` instead).
+  The commit messages are the same for both sides and pickled before timing.
+- sample (buffer actor): build the batch + pickle it for the learner.
+- receive (learner): unpickle + the numpy arrays `build_train_batch` starts from.
+Memory is measured, the same way for both: bytes still allocated (tracemalloc, which sees
+Python objects and numpy data, plus pyarrow's memory pool) once every row is held and
+rewarded, over the raw token bytes (4 B per prompt token, 12 B per response token).
+The last line reads `buffer vs list-of-dicts speedup: <x>; memory overhead: <y>`
+(end-to-end time, and the ReplayBuffer's measured bytes over raw token bytes).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
-import itertools
+import json
 import pickle
 import random
 import sys
 import time
+import tracemalloc
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
+import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
+from bench_env import dtype_header  # noqa: E402
 from buffers.replay import BufferConfig, ReplayBuffer  # noqa: E402
 from buffers.schema import (  # noqa: E402
     RewardColumns, RewardCommit, StepBatch, StepRecord, group_key, new_id, records_to_table,
@@ -49,91 +57,105 @@ from buffers.schema import (  # noqa: E402
 
 TOKEN_COLUMNS = (("prompt_ids", np.int32), ("response_ids", np.int32),
                  ("behavior_logprobs", np.float32), ("token_versions", np.int32))
+# The per-row columns the learner reads besides tokens and reward: advantages
+# (learners/advantages.py: group_key, or episode_id/agent/turn/branch/candidate) and the
+# per-agent reward metrics (runtime/learner_worker.py: agent).
+INT_COLUMNS = ("turn", "candidate")
+LIST_COLUMNS = ("group_key", "episode_id", "agent", "branch")
 VERSION, ETA, GROUP = 3, 2, 4
+PHASES = ("produce", "insert", "commit", "sample", "receive")
 
 
-def make_rows(n: int, seed: int = 0) -> list[dict]:
-    """Engine-style rows: token lists as parsed from JSON, about 5% beyond the staleness bound."""
+def make_records(n: int, seed: int = 0) -> list[StepRecord]:
+    """Rows as `Episode.act` + `Episode.records()` build them; about 5% beyond the staleness bound.
+
+    Groups of K=4 tree candidates share one prompt array (Episode.act makes it once per call);
+    responses are the engine client's np.int32 / np.float32 arrays.
+    """
     rng = np.random.default_rng(seed)
-    rows = []
-    for i in range(n):
-        g = i // GROUP
-        p, r = max(16, int(rng.normal(300, 40))), max(1, int(rng.normal(200, 50)))
+    records = []
+    for g in range(-(-n // GROUP)):
+        task_id, episode_id = f"task{g // 8}", new_id()
+        key = group_key(task_id, f"round{g}", "", "solver", 0)
+        prompt = rng.integers(0, 49152, max(16, int(rng.normal(300, 40)))).astype(np.int32)
         version = VERSION - (3 if g % 20 == 0 else g % 3)
-        rows.append({
-            "step_id": new_id(), "task_id": f"task{g // 8}", "episode_id": new_id(), "group": g,
-            "group_key": group_key(f"task{g // 8}", f"round{g}", "", "solver", 0),
-            "candidate": i % GROUP, "created_at": time.time(),
-            "prompt_ids": rng.integers(0, 49152, p).tolist(),
-            "response_ids": rng.integers(0, 49152, r).tolist(),
-            "behavior_logprobs": (-rng.random(r)).astype(np.float32).tolist(),
-            "token_versions": [version] * r,
-        })
-    return rows
-
-
-def to_record(row: dict) -> StepRecord:
-    """What a rollout actor does before sending a row: token lists become numpy arrays."""
-    return StepRecord(
-        step_id=row["step_id"], run_id="bench", model_id="policy", agent="solver", workflow="math",
-        task_id=row["task_id"], episode_id=row["episode_id"], branch="", turn=0,
-        group_key=row["group_key"], group_size=GROUP, candidate=row["candidate"],
-        prompt_ids=np.asarray(row["prompt_ids"], np.int32),
-        response_ids=np.asarray(row["response_ids"], np.int32),
-        behavior_logprobs=np.asarray(row["behavior_logprobs"], np.float32),
-        token_versions=np.asarray(row["token_versions"], np.int32), finish_reason="stop",
-        created_at=row["created_at"],
-    )
+        for candidate in range(min(GROUP, n - g * GROUP)):
+            r = max(1, int(rng.normal(200, 50)))
+            meta = {"response_len": r, "text": "x" * min(200, 4 * r)}  # as Episode.act's row_meta
+            records.append(StepRecord(
+                step_id=new_id(), run_id="bench", model_id="policy", agent="solver",
+                workflow="math", task_id=task_id, episode_id=episode_id, branch="", turn=0,
+                group_key=key, group_size=GROUP, candidate=candidate, prompt_ids=prompt,
+                response_ids=rng.integers(0, 49152, r).astype(np.int32),
+                behavior_logprobs=(-rng.random(r)).astype(np.float32),
+                token_versions=np.full(r, version, np.int32), finish_reason="stop",
+                meta=json.dumps(meta)))
+    return records
 
 
 class ListBuffer:
-    """The straightforward alternative: dict rows, a step_id index, groups as lists."""
+    """The strong plain-Python alternative: records kept as they arrive, concatenated on sample.
+
+    A step_id index, groups as lists with a rewarded count, ready groups in a deque; sampling
+    concatenates each token column with one np.concatenate. It does none of ReplayBuffer's
+    checks or accounting (capacity, repeated ids, group sizes, timeouts, failed rows).
+    """
 
     def __init__(self) -> None:
-        self.by_step: dict[str, dict] = {}
-        self.groups: dict[bytes, list[dict]] = {}
+        self.rows: dict[str, list] = {}  # step_id -> [record, behavior_version, reward]
+        self.groups: dict[bytes, list] = {}  # group_key -> [entries, rewarded count]
         self.ready: deque = deque()  # group keys in the order they became complete
 
-    def add(self, rows: list[dict]) -> None:
-        for row in rows:
-            row = dict(row, reward=None, behavior_version=min(row["token_versions"]))
-            self.by_step[row["step_id"]] = row
-            self.groups.setdefault(row["group_key"], []).append(row)
+    def add(self, records: list[StepRecord]) -> None:
+        for rec in records:
+            entry = [rec, int(rec.token_versions.min()), None]
+            self.rows[rec.step_id] = entry
+            self.groups.setdefault(rec.group_key, [[], 0])[0].append(entry)
 
-    def commit(self, commits: list[tuple[str, float]]) -> None:
-        for step_id, reward in commits:
-            row = self.by_step[step_id]
-            row["reward"] = reward
-            group = self.groups[row["group_key"]]
-            if len(group) == GROUP and all(r["reward"] is not None for r in group):
-                self.ready.append(row["group_key"])
+    def commit_rewards(self, commits: list[RewardCommit]) -> None:
+        for commit in commits:
+            entry = self.rows[commit.step_id]
+            entry[2] = commit.reward
+            rec = entry[0]
+            group = self.groups[rec.group_key]
+            group[1] += 1
+            if group[1] == rec.group_size == len(group[0]):
+                self.ready.append(rec.group_key)
 
     def sample(self, num_units: int, version: int, eta: int) -> dict | None:
         taken = []
         while self.ready and len(taken) < num_units:
-            group = self.groups.pop(self.ready.popleft())
-            for row in group:
-                del self.by_step[row["step_id"]]
-            fresh = [r for r in group if version - r["behavior_version"] <= eta]
+            entries = self.groups.pop(self.ready.popleft())[0]
+            for entry in entries:
+                del self.rows[entry[0].step_id]
+            fresh = [e for e in entries if version - e[1] <= eta]
             if fresh:
                 taken.append(fresh)
         if not taken:
             return None
-        rows = [r for group in taken for r in group]
-        out = {"staleness": np.array([version - r["behavior_version"] for r in rows], np.int32),
-               "reward": np.array([r["reward"] for r in rows], np.float32)}
+        entries = [e for group in taken for e in group]
+        records = [e[0] for e in entries]
+        out = {"reward": np.array([e[2] for e in entries], np.float32),
+               "staleness": np.array([version - e[1] for e in entries], np.int32),
+               "unit_offsets": np.cumsum([0] + [len(group) for group in taken]),
+               **{name: np.array([getattr(r, name) for r in records], np.int16)
+                  for name in INT_COLUMNS},
+               **{name: [getattr(r, name) for r in records] for name in LIST_COLUMNS}}
         for name, dtype in TOKEN_COLUMNS:
-            lists = [r[name] for r in rows]
-            offsets = np.zeros(len(rows) + 1, np.int64)
-            np.cumsum([len(t) for t in lists], out=offsets[1:])
-            out[name] = (np.fromiter(itertools.chain.from_iterable(lists), dtype, int(offsets[-1])), offsets)
+            arrays = [getattr(rec, name) for rec in records]
+            offsets = np.zeros(len(arrays) + 1, np.int64)
+            np.cumsum([len(a) for a in arrays], out=offsets[1:])
+            out[name] = (np.concatenate(arrays).astype(dtype, copy=False), offsets)
         return out
 
 
 def learner_view(batch) -> dict:
     """The learner's numpy view of a ReadyBatch: zero-copy views of its single-chunk columns."""
     table = batch.table
-    out = {"staleness": batch.staleness, "reward": table.column("reward").to_numpy()}
+    out = {"reward": table.column("reward").to_numpy(), "staleness": batch.staleness,
+           "unit_offsets": batch.unit_offsets,
+           **{name: table.column(name).to_numpy() for name in INT_COLUMNS},
+           **{name: table.column(name).to_pylist() for name in LIST_COLUMNS}}
     for name, _ in TOKEN_COLUMNS:
         column = table.column(name).chunk(0)
         offsets = column.offsets.to_numpy()
@@ -142,13 +164,11 @@ def learner_view(batch) -> dict:
 
 
 def checksum(out: dict, digest) -> int:
-    """Feed everything the learner reads of one batch into `digest`; returns its row count.
-
-    Both buffers must hand out the same rows in the same order, batch by batch: same rewards,
-    staleness and token values and offsets, byte for byte.
-    """
-    for name in ("reward", "staleness"):
+    """Feed everything the learner reads of one batch into `digest`; returns its row count."""
+    for name in ("reward", "staleness", "unit_offsets", *INT_COLUMNS):
         digest.update(np.ascontiguousarray(out[name]).tobytes())
+    for name in LIST_COLUMNS:
+        digest.update(repr(out[name]).encode())
     for name, dtype in TOKEN_COLUMNS:
         values, offsets = out[name]
         digest.update(np.ascontiguousarray(values, dtype).tobytes())
@@ -156,119 +176,169 @@ def checksum(out: dict, digest) -> int:
     return len(out["reward"])
 
 
-def run(add, commit, sample, messages, commit_messages, view, before_sample=lambda: None):
-    """Time what the buffer actor pays; returns seconds per phase and a digest of what was trained.
+@dataclass(frozen=True)
+class Side:
+    """How one buffer is fed and read; everything else is shared."""
 
-    insert: unpickle each producer message + insert. commit: unpickle each commit message +
-    apply. sample: produce the learner-ready output + pickle it for the trip to the learner.
+    new: Callable  # () -> buffer
+    message: Callable  # records -> what the rollout process pickles
+    add: Callable  # (buffer, unpickled message) -> None
+    sample: Callable  # (buffer, num_units) -> batch or None
+    view: Callable  # unpickled batch -> learner arrays (the `checksum` input)
+
+
+def replay_sample(buf: ReplayBuffer, num_units: int):
+    batch = buf.sample(num_units, VERSION, ETA)
+    if batch is None and (left := len(buf._ready)):
+        batch = buf.sample(left, VERSION, ETA)  # the last, smaller batch: run until empty
+    return batch
+
+
+def replay_side(capacity: int) -> Side:
+    def add(buf, message):
+        assert buf.try_add(message)
+    return Side(lambda: ReplayBuffer("policy", BufferConfig(capacity_rows=capacity)),
+                lambda records: StepBatch(records_to_table(records)), add, replay_sample,
+                learner_view)
+
+
+LIST_SIDE = Side(ListBuffer, lambda records: records, ListBuffer.add,
+                 lambda buf, units: buf.sample(units, VERSION, ETA), lambda out: out)
+
+
+def run(side: Side, cuts: list, commit_messages: list, batch_units: int,
+        measure_memory: bool = False):
+    """One pass from the episode's rows to the learner's arrays.
+
+    Returns (seconds per phase, (rows trained, digest), buffer, memory). memory is None, or
+    with `measure_memory` (bytes held with every row rewarded, the buffer's own estimate of
+    them or None). With `measure_memory` tracemalloc runs from after the messages are built
+    until every commit is applied; that pass's times are not comparable.
     """
-    t0 = time.perf_counter()
+    clock = time.perf_counter
+    times = dict.fromkeys(PHASES, 0.0)
+    buf = side.new()
+    start = clock()
+    messages = [pickle.dumps(side.message(records), protocol=5) for records in cuts]
+    times["produce"] = clock() - start
+    memory = None
+    if measure_memory:  # tracemalloc sees Python objects and numpy data; Arrow has its own pool
+        gc.collect()
+        arrow_before = pa.total_allocated_bytes()
+        tracemalloc.start()
+    start = clock()
     for message in messages:
-        add(pickle.loads(message))
-    t1 = time.perf_counter()
+        side.add(buf, pickle.loads(message))
+    times["insert"] = clock() - start
+    start = clock()
     for message in commit_messages:
-        commit(pickle.loads(message))
-    t2 = time.perf_counter()
-    before_sample()  # untimed: e.g. reading resident bytes while every row is held
-    sample_s, rows, digest = 0.0, 0, hashlib.blake2b(digest_size=16)
+        buf.commit_rewards(pickle.loads(message))
+    times["commit"] = clock() - start
+    if measure_memory:
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] + pa.total_allocated_bytes() - arrow_before
+        tracemalloc.stop()
+        memory = held, buf.stats().resident_bytes if isinstance(buf, ReplayBuffer) else None
+    rows, digest = 0, hashlib.blake2b(digest_size=16)
     while True:
-        start = time.perf_counter()
-        out = sample()
-        if out is None:
+        start = clock()
+        batch = side.sample(buf, batch_units)
+        if batch is None:
             break
-        pickle.dumps(out, protocol=5)
-        sample_s += time.perf_counter() - start
-        rows += checksum(view(out), digest)  # the learner's side, untimed
-    return (t1 - t0, t2 - t1, sample_s), (rows, digest.hexdigest())
+        blob = pickle.dumps(batch, protocol=5)
+        received = clock()
+        out = side.view(pickle.loads(blob))
+        done = clock()
+        times["sample"] += received - start
+        times["receive"] += done - received
+        rows += checksum(out, digest)  # untimed
+    return tuple(times.values()), (rows, digest.hexdigest()), buf, memory
+
+
+def commit_messages(records: list[StepRecord]) -> tuple[list[bytes], list[bytes]]:
+    """Coach scores in no particular order, 64 per message: as RewardCommit lists (what the
+    coach pool sends) and as RewardColumns."""
+    rng = random.Random(0)
+    order = list(range(len(records)))
+    rng.shuffle(order)
+    rewards = [(records[i].step_id, rng.random()) for i in order]
+    batches = [rewards[i:i + 64] for i in range(0, len(rewards), 64)]
+    lists = [pickle.dumps([RewardCommit(s, reward=r) for s, r in b], protocol=5) for b in batches]
+    columns = [pickle.dumps(RewardColumns([s for s, _ in b],
+                                          reward=np.array([r for _, r in b], np.float32)),
+                            protocol=5) for b in batches]
+    return lists, columns
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=20000)
-    parser.add_argument("--arrival-rows", type=int, default=20)  # rows per producer message: K + K*K for a tree round of K=4
+    # rows per producer message: K + K*K for a tree round of K=4
+    parser.add_argument("--arrival-rows", type=int, default=20)
     parser.add_argument("--batch-units", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=3)  # best of, to damp a shared machine
+    parser.add_argument("--reps", type=int, default=5)  # best of, per phase: a shared machine
     args = parser.parse_args()
+    _, header = dtype_header("cpu")
+    print(header + "\n(unused here: the buffer holds int32 token ids and float32 logprobs)")
 
-    rows = make_rows(args.rows)
-    cuts = [rows[i:i + args.arrival_rows] for i in range(0, args.rows, args.arrival_rows)]
-    # producer side (parallel rollout actors), timed only to be shown: build each message
-    t0 = time.perf_counter()
-    step_batches = [StepBatch(records_to_table([to_record(r) for r in cut])) for cut in cuts]
-    arrow_messages = [pickle.dumps(b, protocol=5) for b in step_batches]
-    build_s = time.perf_counter() - t0
-    # sender side (Ray serialises the call's argument before it reaches the buffer): untimed
-    base_messages = [pickle.dumps(cut, protocol=5) for cut in cuts]
-    table_messages = [pickle.dumps(b.table, protocol=5) for b in step_batches]
-    rng = random.Random(0)
-    order = list(range(args.rows))
-    rng.shuffle(order)  # coach scores come back in no particular order
-    rewards = [(rows[i]["step_id"], rng.random()) for i in order]
-    reward_batches = [rewards[i:i + 64] for i in range(0, len(rewards), 64)]
-    base_commits = [pickle.dumps(b, protocol=5) for b in reward_batches]
-    column_commits = [pickle.dumps(RewardColumns([s for s, _ in b], reward=np.array([r for _, r in b], np.float32)),
-                                   protocol=5) for b in reward_batches]
-    list_commits = [pickle.dumps([RewardCommit(s, reward=r) for s, r in b], protocol=5)
-                    for b in reward_batches]
-    raw = sum(4 * len(r["prompt_ids"]) + 12 * len(r["response_ids"]) for r in rows)
-
-    # warm-up: pyarrow and numpy load kernels lazily on first use; keep that out of the timings
-    warm = ReplayBuffer("policy", BufferConfig(capacity_rows=args.arrival_rows))
-    warm.try_add(pickle.loads(arrow_messages[0]))
-    warm.commit_rewards(pickle.loads(column_commits[0]))
-    pickle.dumps(warm.sample(1, VERSION, ETA), protocol=5)
-    variants = {"list-of-dicts": (base_messages, base_commits),
-                "ReplayBuffer": (arrow_messages, column_commits),
-                "  commit lists": (arrow_messages, list_commits),
-                "  bare pa.Table": (table_messages, column_commits)}
-    best: dict = {name: None for name in variants}
+    records = make_records(args.rows)
+    cuts = [records[i:i + args.arrival_rows] for i in range(0, args.rows, args.arrival_rows)]
+    commit_lists, commit_columns = commit_messages(records)
+    raw = sum(4 * len(r.prompt_ids) + 12 * len(r.response_ids) for r in records)
+    sides = {"dict-of-lists": (LIST_SIDE, commit_lists),
+             "ReplayBuffer": (replay_side(args.rows), commit_lists),
+             "  RewardColumns": (replay_side(args.rows), commit_columns)}
+    run(sides["ReplayBuffer"][0], cuts[:2], commit_lists[:1], 1)  # warm-up: lazy kernel loading
+    best: dict = dict.fromkeys(sides)
+    checks = {}
     for _ in range(args.reps):
-        base = ListBuffer()
-        times, check_base = run(base.add, base.commit, lambda: base.sample(args.batch_units, VERSION, ETA),
-                                *variants["list-of-dicts"], lambda out: out)
-        best["list-of-dicts"] = min(best["list-of-dicts"] or times, times, key=sum)
-        for name in list(variants)[1:]:
-            buf = ReplayBuffer("policy", BufferConfig(capacity_rows=args.rows))
-            held = {}
-
-            def add(message):
-                assert buf.try_add(message)
-
-            def sample():
-                batch = buf.sample(args.batch_units, VERSION, ETA)
-                if batch is None and (left := len(buf._ready)):
-                    batch = buf.sample(left, VERSION, ETA)  # the last, smaller batch: run until empty
-                return batch
-
-            def before_sample():
-                held["bytes"] = buf.stats().resident_bytes
-
-            times, check_buf = run(add, buf.commit_rewards, sample, *variants[name], learner_view,
-                                   before_sample)
-            best[name] = min(best[name] or times, times, key=sum)
-            assert check_buf == check_base, (check_buf, check_base)  # same batches, byte for byte
-            stats = buf.stats()
-            assert stats.rows_added == stats.rows_trained + sum(stats.dropped.values())
-            if name == "ReplayBuffer":
-                memory = held["bytes"]
-
+        for name, (side, commits) in sides.items():
+            times, checks[name], buf, _ = run(side, cuts, commits, args.batch_units)
+            best[name] = tuple(map(min, zip(best[name] or times, times)))  # per phase
+            if isinstance(buf, ReplayBuffer):
+                stats = buf.stats()
+                assert stats.rows_added == stats.rows_trained + sum(stats.dropped.values())
+    assert len(set(checks.values())) == 1, checks  # same batches, byte for byte
+    memory = {name: run(sides[name][0], cuts, sides[name][1], args.batch_units, True)[3]
+              for name in ("dict-of-lists", "ReplayBuffer")}  # (bytes held, own estimate)
     print(f"{args.rows} rows, groups of {GROUP}, {args.arrival_rows} rows per producer message, "
-          f"{args.batch_units} units per sample, best of {args.reps}; trained {check_buf[0]} rows, "
-          f"dropped stale {stats.dropped['stale']}")
-    print("buffer actor's cost (insert = unpickle + add; commit = unpickle + apply; "
-          "sample = build learner batch + pickle it):")
-    print(f"{'buffer':<16}{'insert s':>10}{'commit s':>10}{'sample s':>10}{'total s':>10}{'us/row':>9}")
+          f"{args.batch_units} units per sample, each phase the best of {args.reps}; "
+          f"trained {checks['ReplayBuffer'][0]} rows, dropped stale {stats.dropped['stale']}")
+    report(args.rows, best, memory, raw)
+
+
+def report(rows: int, best: dict, memory: dict, raw: int) -> None:
+    print("seconds per phase, from the rows Episode.records() makes to the arrays the learner "
+          "reads\n(produce: rollout process; insert, commit, sample: buffer actor; "
+          "receive: learner):")
+    print(f"{'buffer':<16}" + "".join(f"{p:>9}" for p in PHASES)
+          + f"{'actor s':>9}{'total s':>9}{'us/row':>8}")
     for name, times in best.items():
-        print(f"{name:<16}" + "".join(f"{t:>10.3f}" for t in times)
-              + f"{sum(times):>10.3f}{sum(times) / args.rows * 1e6:>9.1f}")
-    print("  (commit lists: the same ReplayBuffer given lists of RewardCommit instead of RewardColumns;\n"
-          "   bare pa.Table: given pickled pa.Table messages instead of StepBatch)")
-    print(f"producer side, NOT charged to the buffer (spread over the rollout actors): building each "
-          f"StepBatch (lists -> numpy -> records_to_table -> wire form, pickled) {build_s / args.rows * 1e6:.1f} us/row; "
-          f"the list-of-dicts producer builds nothing")
-    speedup = sum(best["list-of-dicts"]) / sum(best["ReplayBuffer"])
-    print(f"resident bytes {memory:,} for raw token bytes {raw:,} (all rows held)")
-    print(f"buffer vs list-of-dicts speedup: {speedup:.1f}; memory overhead: {memory / raw:.2f}")
+        print(f"{name:<16}" + "".join(f"{t:>9.3f}" for t in times)
+              + f"{sum(times[1:4]):>9.3f}{sum(times):>9.3f}{sum(times) / rows * 1e6:>8.1f}")
+    print("  (RewardColumns: the same ReplayBuffer given RewardColumns commit messages, which no\n"
+          "   caller in actors/ or runtime/ sends today: they send lists of RewardCommit)")
+    base, arrow = best["dict-of-lists"], best["ReplayBuffer"]
+    print(f"buffer actor only (insert + commit + sample, the serial part): "
+          f"{sum(base[1:4]) / sum(arrow[1:4]):.1f}x; "
+          f"producer side alone: {base[0] / arrow[0]:.2f}x "
+          "(ReplayBuffer's rollout process pays records_to_table + split)")
+    print("what differs:\n"
+          "- messages: dict-of-lists gets the pickled StepRecords (4 numpy arrays per row, a\n"
+          "  group's shared prompt pickled once); ReplayBuffer a StepBatch (records_to_table\n"
+          "  copies the prompt into every row)\n"
+          "- batches: dict-of-lists hands out what the learner reads (12 per-row columns + unit\n"
+          "  offsets); ReplayBuffer the whole STEP_SCHEMA table (27 columns)\n"
+          "- dict-of-lists checks nothing (capacity, repeated ids, group sizes, timeouts, failed\n"
+          "  rows, drop counts)")
+    for name, (nbytes, _) in memory.items():
+        print(f"{name:<14} holds {nbytes:>13,} bytes for raw token bytes {raw:,}: "
+              f"{nbytes / raw:.2f} (tracemalloc + Arrow pool, every row held and rewarded)")
+    print(f"ReplayBuffer's own estimate (stats().resident_bytes, held rows): "
+          f"{memory['ReplayBuffer'][1]:,}")
+    speedup = sum(base) / sum(arrow)
+    print(f"buffer vs list-of-dicts speedup: {speedup:.1f}; "
+          f"memory overhead: {memory['ReplayBuffer'][0] / raw:.2f}")
 
 
 if __name__ == "__main__":
