@@ -370,6 +370,12 @@ def resolve_dtypes(cfg: TroupeConfig) -> None:
         device = mc.engine.device
         mc.engine = dataclasses.replace(
             mc.engine, dtype=resolve_dtype(mc.engine.dtype, device, f"{model_id} engine"))
+        if mc.learner.backend == "torch" and mc.learner.dtype == "auto":
+            # The plain torch learner steps AdamW on the weights themselves: in bf16 most
+            # updates at RL learning rates round away (megatron keeps fp32 main weights).
+            log.info("dtype auto for %s learner -> float32: the torch backend has no fp32 "
+                     "main weights", model_id)
+            mc.learner.dtype = "float32"
         mc.learner.dtype = resolve_dtype(mc.learner.dtype, device, f"{model_id} learner")
 
 

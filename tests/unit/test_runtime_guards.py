@@ -123,3 +123,15 @@ def test_an_unresolved_auto_never_reaches_an_engine_or_a_learner(tmp_path):
         engine.start()
     with pytest.raises(ValueError, match="dtype='auto'.*resolve_dtype"):
         build_learner(LearnerConfig(dtype="auto"), "m", str(tmp_path), str(tmp_path))
+
+
+def test_the_torch_learner_takes_fp32_under_auto(tmp_path):
+    from runtime.controller import resolve_dtypes
+
+    config = tmp_path / "c.yaml"
+    config.write_text("workflow: {name: signal_game, agents: {sender: a, receiver: b}}\n"
+                      "models: {a: {path: tiny, learner: {backend: torch}}, b: {path: tiny}}\n")
+    cfg = load_config(config)
+    resolve_dtypes(cfg)
+    assert cfg.models["a"].learner.dtype == "float32"  # no fp32 main weights in that backend
+    assert cfg.models["b"].learner.dtype == cfg.models["b"].engine.dtype  # megatron: the machine's
