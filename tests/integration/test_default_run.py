@@ -21,7 +21,7 @@ def test_default_config_beside_a_cpu_hog_has_no_restart_and_balanced_books(tmp_p
         cmd = [sys.executable, str(ROOT / "scripts" / "launch_async.py"), "--config",
                str(ROOT / "configs" / "arith_duo_cpu.yaml"), f"run.runs_dir={tmp_path}",
                "run.run_id=default", "run.max_steps=3"]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1100)
     finally:
         hog.kill()
         hog.wait()
