@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 _DEVICES = ("cpu", "cuda")
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
 _LOG_TAIL_CHARS = 4000
-_BUSY_LOG_EVERY_S = 30.0  # rate limit of the "slow but busy" warning
+_BUSY_LOG_EVERY_S = 30.0  # rate limit of each failed-probe warning (busy / no progress)
 
 # Linux: the server gets SIGKILL when the thread that launched it dies, even by SIGKILL (a
 # Ray actor killed by its node), so no server outlives its engine. Set in a small launcher
@@ -194,7 +194,7 @@ class SGLangEngine:
         self._gate = UpdateGate(self._lifecycle)  # weight updates vs. supervision
         self._restart_budget = RestartBudget()
         self._progress = ProgressWatch()  # of a server whose probes fail (ensure_alive)
-        self._last_busy_log = -_BUSY_LOG_EVERY_S
+        self._last_log = {"busy": -_BUSY_LOG_EVERY_S, "idle": -_BUSY_LOG_EVERY_S}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -326,9 +326,13 @@ class SGLangEngine:
             return True
         if self._progress.busy:
             self.busy_probes += 1
-        if sampled is not None and now - self._last_busy_log >= _BUSY_LOG_EVERY_S:
-            self._last_busy_log = now
-            if self._progress.busy:
+        if sampled is None:
+            return False
+        # Each verdict has its own rate limit, so a switch between them is always logged.
+        verdict = "busy" if self._progress.busy else "idle"
+        if now - self._last_log[verdict] >= _BUSY_LOG_EVERY_S:
+            self._last_log[verdict] = now
+            if verdict == "busy":
                 log.warning("engine %s: probe timed out but server is busy (cpu +%.1f s in "
                             "%.1f s): %s", self.model_id, *sampled, failure)
             else:
