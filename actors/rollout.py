@@ -157,10 +157,11 @@ class RolloutActor:
         self._consecutive_failures = 0
         # The ledger learns the rows before any is shipped: if this actor dies while shipping,
         # the controller still knows what should have arrived (buffers/ledger.py).
+        records = {ep.episode_id: ep.records() for ep in episodes}  # built once, shipped below
         await self.ports.generated(round_id, {
-            ep.episode_id: {m: len(records) for m, records in ep.records().items()}
-            for ep in episodes})
-        await self._ship(episodes, results)
+            episode_id: {m: len(rows) for m, rows in by_model.items()}
+            for episode_id, by_model in records.items()})
+        await self._ship(episodes, records, results)
         await self.ports.shipped(round_id)
         self.rounds += 1
         self.episodes += len(episodes)
@@ -172,14 +173,16 @@ class RolloutActor:
         self.rounds_failed[reason] += 1
         await self.ports.abandon(round_id, rows, reason)
 
-    async def _ship(self, episodes: list[Episode], results: list[dict[str, float]]) -> None:
+    async def _ship(self, episodes: list[Episode], records: dict[str, dict[str, list]],
+                    results: list[dict[str, float]]) -> None:
         """Buffer every row (waiting on backpressure), seal episodes, then ask the coach.
 
-        The coach requests leave only after their rows are in the buffers, so a score can
-        never arrive before its row; each carries its episode's outcome ("success").
+        `records` is episode_id -> model_id -> the episode's StepRecords for that model. The
+        coach requests leave only after their rows are in the buffers, so a score can never
+        arrive before its row; each carries its episode's outcome ("success").
         """
-        batches = [(ep, model_id, records) for ep in episodes
-                   for model_id, records in ep.records().items()]
+        batches = [(ep, model_id, rows) for ep in episodes
+                   for model_id, rows in records[ep.episode_id].items()]
         self.rows_generated += sum(len(records) for _, _, records in batches)
         # A cancellation (run stop) in here leaves the round open in the ledger: the
         # controller then counts what did not reach a buffer against the ledger's rows.
