@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import json
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol
 
@@ -25,7 +26,7 @@ class Generator(Protocol):
     """What an episode needs from an engine client (actors.engines.client.EngineClient)."""
 
     async def generate(self, prompt_ids, n: int, max_new_tokens: int, temperature: float = 1.0,
-                       top_p: float = 1.0, stop_token_ids=None) -> list: ...
+                       top_p: float = 1.0, stop_token_ids=None, stop=None) -> list: ...
 
 
 @dataclass(frozen=True)
@@ -147,11 +148,14 @@ class Episode:
     async def act(self, agent: str, messages: list[dict[str, str]] | str, *, turn: int,
                   n: int = 1,
                   max_new_tokens: int, parent_branch: str = "", prefix: str = "",
+                  stop: list[str] | None = None,
                   meta: dict[str, Any] | None = None) -> list[Action]:
         """Generate n candidates for `agent` and record one row per candidate.
 
         `messages` is a chat (rendered with the model's template) or a raw completion prompt;
         `prefix` opens the reply (prompt tokens, not trained) and starts each `Action.text`.
+        `stop` strings end a reply (e.g. a closing code fence, DESIGN §14); the text that
+        completed one stays in `Action.text` and in the row.
         Returns the candidates in order; `Action.candidate` is the row's index in its group.
         """
         if agent not in self.agent_models:
@@ -161,7 +165,7 @@ class Episode:
         prompt_ids = route.encode(messages, prefix)
         generations = await route.next_client().generate(
             prompt_ids, n=n, max_new_tokens=max_new_tokens,
-            temperature=self.sampling.temperature, top_p=self.sampling.top_p)
+            temperature=self.sampling.temperature, top_p=self.sampling.top_p, stop=stop)
         if len(generations) != n:
             raise RuntimeError(f"engine of {model_id} returned {len(generations)} candidates, "
                                f"asked for {n}")
@@ -202,13 +206,35 @@ class Episode:
                       outcome=outcome)
         self._drafts[step_id].rewards.update({k: v for k, v in values.items() if v is not None})
 
+    def annotate(self, step_id: str, **meta: Any) -> None:
+        """Add facts about an action to its row's `meta` (tool called, tool ok, tests passed).
+
+        Values must be JSON-serialisable (they travel in the row as JSON); evaluation and
+        metrics read them back (scripts/evaluate.py).
+        """
+        draft = self._drafts.get(step_id)
+        if draft is None:
+            raise KeyError(f"annotate({step_id!r}): no action of this episode has that step_id")
+        json.dumps(meta)  # fail here, at the workflow's line, not when the row is shipped
+        draft.fields["meta"].update(meta)
+
+    def actions_meta(self) -> list[dict[str, Any]]:
+        """(agent, turn, meta) of every action so far, in order: what evaluation summarises."""
+        return [dict(agent=d.fields["agent"], turn=d.fields["turn"],
+                     response_len=len(d.fields["response_ids"]), **d.fields["meta"])
+                for d in self._drafts.values()]
+
     def keep(self, action: Action) -> None:
         """Mark the tree candidate the episode continues from (its trajectory, MAPPA F.2)."""
         self._chosen.add(action.step_id)
 
     async def coach(self, actions: list[Action], *, input_text: str,
-                    context: dict[str, Any] | None = None) -> None:
+                    context: dict[str, Any] | None = None, truth: str | None = None) -> None:
         """Ask the coach to score these actions (the training reward of each), once each.
+
+        `truth` replaces the task's ground truth for these requests: what the harness measured
+        (e.g. DSBench's held-out metrics, MAPPA appendix A.1), shown to the agents in
+        `coach.truth_agents`.
 
         Asynchronous mode (default): the requests leave with the rows and the scores arrive
         in the buffer later by step_id; the episode does not wait. Synchronous baseline
@@ -224,7 +250,8 @@ class Episode:
         requests = [CoachRequest(
             step_id=a.step_id, model_id=self.agent_models[a.agent], agent=a.agent,
             workflow=self.workflow, task_id=self.task_id, input_text=input_text,
-            output_text=a.text, finish_reason=a.finish_reason, truth=self.truth,
+            output_text=a.text, finish_reason=a.finish_reason,
+            truth=self.truth if truth is None else truth,
             context=context or {}, problem=self.problem, episode_id=self.episode_id,
             turn=a.turn) for a in actions]
         if self.sync_scorer is None:
@@ -255,12 +282,23 @@ class Episode:
     def num_rows(self) -> int:
         return len(self._drafts)
 
-    def records(self) -> dict[str, list[StepRecord]]:
-        """The episode's rows, grouped by model id (each model has its own buffer)."""
+    def group_counts(self) -> Counter[str]:
+        """Rows this episode produced per group key (the round seals its groups at these)."""
+        return Counter(d.fields["group_key"] for d in self._drafts.values())
+
+    def records(self, group_sizes: dict[str, int] | None = None) -> dict[str, list[StepRecord]]:
+        """The episode's rows, grouped by model id (each model has its own buffer).
+
+        `group_sizes` (group key -> rows the whole round produced for it) seals each group at
+        what was actually produced: in a joint round an episode that stopped early adds no
+        row to later turns' groups, and those groups must not wait for it (DESIGN §14).
+        """
         by_model: dict[str, list[StepRecord]] = {}
         for draft in self._drafts.values():
             f = dict(draft.fields)
             f["meta"] = json.dumps(f["meta"])
+            if group_sizes is not None:
+                f["group_size"] = group_sizes[f["group_key"]]
             rec = StepRecord(**f, **draft.rewards)
             by_model.setdefault(rec.model_id, []).append(rec)
         return by_model

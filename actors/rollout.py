@@ -10,10 +10,7 @@ rounds, and the ledger, not this actor, knows their rows, so they are counted wi
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import itertools
 import logging
-import random
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -21,6 +18,7 @@ from typing import Protocol
 
 from actors.episode import CoachRequest, Episode, ModelRoute, SamplingParams
 from actors.workflows import WorkflowConfig, build_workflow
+from actors.tasks import TasksExhausted, TaskSource
 from actors.workflows.base import units_per_round
 from buffers.schema import RewardCommit, StepRecord, new_id
 
@@ -36,7 +34,7 @@ class RolloutConfig:
     sync_coach: bool = False  # await the coach inside the episode (synchronous baseline)
     admission_poll_s: float = 0.02  # wait between refused admissions
     max_consecutive_failures: int = 20  # failed rounds in a row before the actor gives up
-    seed: int = 0  # task stream seed (each actor offsets it by its index)
+    seed: int = 0  # task order seed (each actor plays its own shard of workflow.tasks)
 
     def __post_init__(self) -> None:
         if self.actors < 1 or self.concurrency < 1:
@@ -52,7 +50,8 @@ class RolloutPorts(Protocol):
     """How a rollout actor reaches the rest of the system (runtime provides it)."""
 
     async def admit(self, units: dict[str, int], round_id: str) -> bool: ...
-    async def generated(self, round_id: str, episodes: dict[str, dict[str, int]]) -> None: ...
+    async def generated(self, round_id: str, episodes: dict[str, dict[str, int]],
+                        units: dict[str, int]) -> None: ...
     async def shipped(self, round_id: str) -> None: ...
     async def abandon(self, round_id: str, rows: int, reason: str) -> None: ...
     async def add_rows(self, model_id: str, records: list[StepRecord], origin: str) -> bool: ...
@@ -68,7 +67,7 @@ class RolloutActor:
 
     def __init__(self, cfg: RolloutConfig, workflow_cfg: WorkflowConfig, run_id: str,
                  actor_index: int, routes: dict[str, ModelRoute], ports: RolloutPorts,
-                 readiness: dict[str, str]) -> None:
+                 readiness: dict[str, str], num_actors: int = 1) -> None:
         self.cfg = cfg
         self.workflow_cfg = workflow_cfg
         self.workflow = build_workflow(workflow_cfg)
@@ -79,8 +78,11 @@ class RolloutActor:
         self.readiness = readiness  # model_id -> "group" | "episode"
         self.agent_models = dict(workflow_cfg.agents)
         self.sampling = SamplingParams(cfg.temperature, cfg.top_p)
-        self._rng = random.Random(cfg.seed * 1009 + actor_index)
-        self._task_index = itertools.count()
+        # this actor's shard of the train split (a task file, or the workflow's generator)
+        self.tasks = TaskSource(workflow_cfg.tasks, workflow_cfg.tasks.train_split,
+                                generator=self.workflow.make_task, shard=actor_index,
+                                num_shards=num_actors, seed=cfg.seed)
+        self.tasks_exhausted = False
         self._stopping = False
         self._workers: list[asyncio.Task] = []
         self._consecutive_failures = 0
@@ -117,9 +119,13 @@ class RolloutActor:
         units = units_per_round(self.workflow, self.agent_models, self.workflow_cfg.group_size,
                                 self.readiness)
         while not self._stopping:
-            index = next(self._task_index)
-            task = self.workflow.make_task(self._rng, index)
-            task = dataclasses.replace(task, task_id=f"{task.task_id}-a{self.actor_index}")
+            try:
+                task = self.tasks.next()
+            except TasksExhausted:
+                self.tasks_exhausted = True
+                log.info("rollout actor %d: every epoch of workflow.tasks is done; slot ends",
+                         self.actor_index)
+                return
             round_id = new_id()
             while not await self.ports.admit(units, round_id):
                 self.admission_waits += 1
@@ -155,17 +161,34 @@ class RolloutActor:
                                    f"{self._consecutive_failures} rounds failed in a row") from exc
             return
         self._consecutive_failures = 0
+        # The round is over: its groups are sealed at the rows it produced, and the clock
+        # gets back the units it was admitted for but did not produce (DESIGN §14).
+        group_sizes: Counter[str] = Counter()
+        for ep in episodes:
+            group_sizes.update(ep.group_counts())
+        records = {ep.episode_id: ep.records(group_sizes) for ep in episodes}  # built once
         # The ledger learns the rows before any is shipped: if this actor dies while shipping,
         # the controller still knows what should have arrived (buffers/ledger.py).
-        records = {ep.episode_id: ep.records() for ep in episodes}  # built once, shipped below
         await self.ports.generated(round_id, {
             episode_id: {m: len(rows) for m, rows in by_model.items()}
-            for episode_id, by_model in records.items()})
+            for episode_id, by_model in records.items()}, self._produced_units(records))
         await self._ship(episodes, records, results)
         await self.ports.shipped(round_id)
         self.rounds += 1
         self.episodes += len(episodes)
         self._report(results)
+
+    def _produced_units(self, records: dict[str, dict[str, list[StepRecord]]]) -> dict[str, int]:
+        """Readiness units the round produced per model: its groups, or its episodes."""
+        groups: dict[str, set[str]] = {}
+        episodes: Counter[str] = Counter()
+        for by_model in records.values():
+            for model_id, rows in by_model.items():
+                groups.setdefault(model_id, set()).update(r.group_key for r in rows)
+                episodes[model_id] += 1
+        return {model_id: (episodes[model_id] if self.readiness[model_id] == "episode"
+                           else len(groups.get(model_id, ())))
+                for model_id in set(self.agent_models.values())}
 
     async def _abandon(self, round_id: str, episodes: list[Episode], reason: str) -> None:
         rows = sum(ep.num_rows for ep in episodes)
@@ -211,7 +234,8 @@ class RolloutActor:
     def stats(self) -> dict:
         elapsed = max(time.time() - self.started_at, 1e-9)
         return {
-            "actor": self.actor_index, "rounds": self.rounds, "episodes": self.episodes,
+            "actor": self.actor_index, "rounds": self.rounds,
+            "task_epoch": self.tasks.epoch, "tasks_exhausted": self.tasks_exhausted, "episodes": self.episodes,
             "episodes_per_s": self.episodes / elapsed, "rows_generated": self.rows_generated,
             "rows_added": self.rows_added, "rounds_failed": dict(self.rounds_failed),
             "last_error": self.last_error,

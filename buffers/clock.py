@@ -45,6 +45,7 @@ class VersionClock:
         """
         self._models: dict[str, ModelClock] = {}
         self.ledger = RoundLedger()
+        self._released_surplus: dict[str, int] = {}  # model_id -> units rounds did not produce
         for model_id, (batch_units, max_staleness) in models.items():
             if batch_units < 1:
                 raise ValueError(f"model {model_id!r}: batch_units={batch_units} must be >= 1")
@@ -70,9 +71,31 @@ class VersionClock:
             clock.issued_units += n
         return True
 
-    def generated(self, round_id: str, episodes: dict[str, dict[str, int]]) -> None:
-        """The round's rows exist (episode_id -> model_id -> rows), before any is shipped."""
+    def generated(self, round_id: str, episodes: dict[str, dict[str, int]],
+                  units: dict[str, int] | None = None) -> None:
+        """The round's rows exist (episode_id -> model_id -> rows), before any is shipped.
+
+        `units` (model_id -> readiness units the round actually produced) gives back the
+        surplus of what the round was admitted for: an episode that stopped early, or a
+        branch not taken, leaves budget no learner step will ever consume (DESIGN §14).
+        """
+        entry = self.ledger.entry(round_id)
+        if units is not None:
+            over = {m: (n, entry.units.get(m, 0)) for m, n in units.items()
+                    if n > entry.units.get(m, 0)}
+            if over:
+                raise ValueError(f"round {round_id} produced more units than it was admitted for "
+                                 f"(model: (produced, admitted)) {over}: the workflow's "
+                                 "groups_per_round must be an upper bound")
         self.ledger.generated(round_id, episodes)
+        if units is not None:
+            for model_id, admitted in entry.units.items():
+                surplus = admitted - units.get(model_id, 0)
+                if surplus:
+                    self.release(model_id, surplus)
+                    self._released_surplus[model_id] = (self._released_surplus.get(model_id, 0)
+                                                        + surplus)
+            entry.units = {m: units.get(m, 0) for m in entry.units}
 
     def shipped(self, round_id: str) -> None:
         """Every row of the round is in its buffer and the coach has its requests."""
@@ -130,7 +153,9 @@ class VersionClock:
 
     def snapshot(self) -> dict:
         """Plain data for metrics and status: model_id -> clock fields plus the current limit."""
-        return {m: {**asdict(c), "limit": c.limit} for m, c in self._models.items()}
+        return {m: {**asdict(c), "limit": c.limit,
+                    "released_surplus": self._released_surplus.get(m, 0)}
+                for m, c in self._models.items()}
 
     def _get(self, model_id: str) -> ModelClock:
         clock = self._models.get(model_id)

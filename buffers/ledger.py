@@ -67,7 +67,7 @@ class RoundLedger:
 
     def generated(self, round_id: str, episodes: dict[str, dict[str, int]]) -> None:
         """The round's rows exist (episode -> model -> rows); they are counted from now on."""
-        entry = self._entry(round_id)
+        entry = self.entry(round_id)
         if entry.episodes is not None:
             raise ValueError(f"round {round_id} reported its rows twice")
         entry.episodes = {e: dict(m) for e, m in episodes.items()}
@@ -75,7 +75,7 @@ class RoundLedger:
 
     def close(self, round_id: str) -> RoundEntry:
         """Every row of the round reached its buffer: the round leaves the ledger."""
-        entry = self._entry(round_id)
+        entry = self.entry(round_id)
         if entry.episodes is None:
             raise ValueError(f"round {round_id} closed before reporting its rows")
         self._closed += 1
@@ -83,7 +83,7 @@ class RoundLedger:
 
     def abandon(self, round_id: str, rows: int, reason: str) -> RoundEntry:
         """The round failed before shipping anything: its `rows` are generated and lost."""
-        entry = self._entry(round_id)
+        entry = self.entry(round_id)
         if entry.episodes is not None:
             raise ValueError(f"round {round_id} already reported its rows; some may be in a "
                              "buffer, so the controller reconciles it (take_owner)")
@@ -110,7 +110,7 @@ class RoundLedger:
         return LedgerStats(self._generated, dict(self._lost), len(self._open), self._closed,
                            self._abandoned)
 
-    def _entry(self, round_id: str) -> RoundEntry:
+    def entry(self, round_id: str) -> RoundEntry:
         entry = self._open.get(round_id)
         if entry is None:
             raise KeyError(f"round {round_id} is not open in the ledger")

@@ -14,10 +14,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from actors.coach import CoachConfig
 from actors.coach.config import available_prompts
-from actors.coach.prompts import WORKFLOW_PROMPTS
+from actors.coach.prompts import workflow_prompt
 from actors.engines.sglang import EngineConfig
 from actors.rollout import RolloutConfig
-from actors.workflows import WORKFLOWS, WorkflowConfig, build_workflow
+from actors.workflows import WorkflowConfig, build_workflow, workflow_names
 from buffers.replay import BufferConfig
 from learners.config import LearnerConfig
 
@@ -81,9 +81,9 @@ class TroupeConfig:
         if not self.models:
             raise ConfigError("models is empty: declare at least one model, e.g. "
                               "models: {policy: {path: tiny}}")
-        if self.workflow.name not in WORKFLOWS:
+        if self.workflow.name not in workflow_names():
             raise ConfigError(f"workflow.name={self.workflow.name!r}: choose one of "
-                              f"{sorted(WORKFLOWS)}")
+                              f"{workflow_names()}")
         roles = set(build_workflow(self.workflow).agents)
         mapped = set(self.workflow.agents)
         if mapped != roles:
@@ -102,7 +102,7 @@ class TroupeConfig:
                               "backward chain needs the episode's outcome, known only after "
                               "the episode; set rollout.sync_coach=false")
         if self.coach.kind == "http" and not self.coach.prompt \
-                and self.workflow.name not in WORKFLOW_PROMPTS:
+                and not workflow_prompt(self.workflow.name):
             raise ConfigError(f"coach.kind=http and coach.prompt is empty, but workflow "
                               f"{self.workflow.name!r} has no default coach template: set "
                               f"coach.prompt to one of {available_prompts()}")

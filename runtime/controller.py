@@ -75,6 +75,7 @@ class Run:
         self.engines: dict[str, list] = {}
         self.rollouts: dict[int, object] = {}
         self.rollout_refs: dict = {}
+        self.exhausted: set[int] = set()  # rollout actors that played every epoch of their tasks
         self.restarts = 0
         self.status_ticks = 0  # supervision rounds (the step of coach score histograms)
         self.owners: dict[int, str] = {}
@@ -135,7 +136,7 @@ class Run:
         actor = ray.remote(RolloutHost).options(
             num_cpus=cfg.run.rollout_cpus, max_concurrency=1000).remote(
             cfg.rollout, cfg.workflow, self.run_id, index, self.urls, self.model_paths,
-            self.ports, self.readiness, owner)
+            self.ports, self.readiness, owner, self.cfg.rollout.actors)
         self.rollouts[index] = actor
         self.owners[index] = owner
         self.rollout_refs[actor.run.remote()] = index
@@ -155,6 +156,14 @@ class Run:
                     log.info("learner %s finished: v%d", model_id, summary["version"])
                 else:
                     self._on_rollout_exit(ref)
+            if self.exhausted and not self.rollout_refs:
+                log.warning("every rollout actor played all workflow.tasks.epochs=%d: stopping "
+                            "the learners (rows not yet trained are counted as run_stopped)",
+                            self.cfg.workflow.tasks.epochs)
+                for w in self.learners.values():
+                    w.stop.remote()
+                ray.get(list(pending_learners))
+                break
             if time.time() - last_status > 5:
                 self._watch_stall(self._status())
                 last_status = time.time()
@@ -170,7 +179,6 @@ class Run:
         index = self.rollout_refs.pop(ref)
         try:
             stats = ray.get(ref)
-            raise RuntimeError(f"rollout actor {index} returned before stop: {stats}")
         except ray.exceptions.RayError as exc:
             self.restarts += 1
             log.error("rollout actor %d failed (%d/%d restarts): %s", index, self.restarts,
@@ -180,6 +188,12 @@ class Run:
             ray.kill(self.rollouts[index])
             self._close_books(self.owners[index], "actor_crashed")
             self._spawn_rollout(index)
+            return
+        if not stats.get("tasks_exhausted"):
+            raise RuntimeError(f"rollout actor {index} returned before stop: {stats}")
+        log.info("rollout actor %d played every epoch of its tasks (%d rounds)", index,
+                 stats["rounds"])
+        self.exhausted.add(index)
 
     def _close_books(self, owner: str | None, reason: str) -> None:
         freed = close_books(self.clock, self.buffers, self.readiness, owner, reason)

@@ -31,8 +31,9 @@ class RayRolloutPorts:
     async def admit(self, units: dict[str, int], round_id: str) -> bool:
         return await self.clock.try_admit.remote(units, self.owner, round_id)
 
-    async def generated(self, round_id: str, episodes: dict[str, dict[str, int]]) -> None:
-        await self.clock.generated.remote(round_id, episodes)
+    async def generated(self, round_id: str, episodes: dict[str, dict[str, int]],
+                        units: dict[str, int]) -> None:
+        await self.clock.generated.remote(round_id, episodes, units)
 
     async def shipped(self, round_id: str) -> None:
         await self.clock.shipped.remote(round_id)
@@ -78,7 +79,7 @@ class RolloutHost:
     def __init__(self, cfg: RolloutConfig, workflow_cfg: WorkflowConfig, run_id: str,
                  actor_index: int, engine_urls: dict[str, list[str]],
                  model_paths: dict[str, str], ports: RayRolloutPorts,
-                 readiness: dict[str, str], owner: str) -> None:
+                 readiness: dict[str, str], owner: str, num_actors: int = 1) -> None:
         from transformers import AutoTokenizer
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -89,7 +90,7 @@ class RolloutHost:
             for model_id, urls in engine_urls.items()
         }
         self.actor = RolloutActor(cfg, workflow_cfg, run_id, actor_index, routes,
-                                  ports.for_owner(owner), readiness)
+                                  ports.for_owner(owner), readiness, num_actors)
 
     async def run(self) -> dict:
         return await self.actor.run()

@@ -44,7 +44,7 @@ from runtime.controller import run  # noqa: E402
 BASE = [
     "workflow.name=arith_duo", "workflow.agents.solver=policy",
     "workflow.agents.verifier=policy", "workflow.group_size=4",
-    "workflow.arith_duo.solver_tokens=16", "workflow.arith_duo.verifier_tokens=8",
+    "workflow.params.solver_tokens=16", "workflow.params.verifier_tokens=8",
     "models.policy.path=tiny", "models.policy.engine.max_total_tokens=8192",
     "models.policy.engine.dtype=auto", "models.policy.learner.dtype=auto",
     "models.policy.learner.lr=1e-4", "models.policy.learner.batch_units=4",

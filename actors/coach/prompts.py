@@ -1,7 +1,7 @@
 """Coach prompt templates (MAPPA appendices B.4, C.4, F) and what fills them.
 
 Templates are text files under `configs/coach_prompts/` with `{placeholder}` fields; a
-workflow selects one by name (`WORKFLOW_PROMPTS`, or `coach.prompt` in config). The context
+workflow names its own (`coach_prompt` on its class), or `coach.prompt` in config picks one. The context
 of one action is MAPPA §2.2's: the agent's role, its input, its output, the tool
 observation, and the ground truth when available — which MathChat gives only to the final
 agent (`coach.truth_agents`). An unknown placeholder is an error, never left in the prompt.
@@ -14,8 +14,14 @@ from dataclasses import dataclass
 from actors.coach.config import CoachConfig, prompt_path
 from actors.episode import CoachRequest
 
-# The template each workflow uses when `coach.prompt` is empty.
-WORKFLOW_PROMPTS = {"arith_duo": "arith_duo"}
+
+
+def workflow_prompt(workflow: str) -> str:
+    """The template a workflow uses when `coach.prompt` is empty ("" if it has none)."""
+    from actors.workflows.registry import entry  # workflows import the episode, as this does
+
+    return getattr(entry(workflow).cls, "coach_prompt", "")
+
 PLACEHOLDERS = ("problem", "agent_role", "agent_input", "agent_output", "tool_observation",
                 "ground_truth_answer", "outcome", "residual", "trajectory")
 _FIELD = re.compile(r"\{([a-z_]+)\}")
@@ -64,7 +70,7 @@ class PromptBook:
     """Renders the forward (process score) and backward (attribution) prompts of a config."""
 
     def __init__(self, cfg: CoachConfig, workflow: str) -> None:
-        name = cfg.prompt or WORKFLOW_PROMPTS.get(workflow, "")
+        name = cfg.prompt or workflow_prompt(workflow)
         if not name:
             raise ValueError(f"coach.prompt is empty and workflow {workflow!r} has no default "
                              "coach template; set coach.prompt to one of "

@@ -93,6 +93,7 @@ class EngineClient:
         temperature: float = 1.0,
         top_p: float = 1.0,
         stop_token_ids: Sequence[int] | None = None,
+        stop: Sequence[str] | None = None,
     ) -> list[Generation]:
         """Sample `n` candidates continuing `prompt_ids`.
 
@@ -108,6 +109,9 @@ class EngineClient:
             temperature: sampling temperature; 0 means greedy.
             top_p: nucleus mass; 1.0 disables it.
             stop_token_ids: extra ids that end a response (the model's eos always does).
+            stop: strings that end a response (e.g. a closing code fence). The tokens that
+                completed one are part of the response (they were sampled and are trained);
+                finish_reason is then "stop".
 
         Returns:
             `n` generations in candidate order.
@@ -120,6 +124,8 @@ class EngineClient:
         }
         if stop_token_ids:
             sampling["stop_token_ids"] = [int(t) for t in stop_token_ids]
+        if stop:
+            sampling["stop"] = [str(s) for s in stop]
         payload = {
             "input_ids": [int(t) for t in np.asarray(prompt_ids).reshape(-1)],
             "sampling_params": sampling,

@@ -1,20 +1,14 @@
-"""Workflow registry: name -> builder taking the WorkflowConfig."""
+"""Workflows: each module registers itself (actors/workflows/registry.py); build one by name."""
 from __future__ import annotations
 
-from actors.workflows.arith_duo import ArithDuo
 from actors.workflows.base import Task, Workflow, WorkflowConfig
-from actors.workflows.signal_game import SignalGame
-
-WORKFLOWS = {
-    "signal_game": lambda cfg: SignalGame(cfg.signal_game),
-    "arith_duo": lambda cfg: ArithDuo(cfg.arith_duo),
-}
+from actors.workflows.registry import discover, entry, make_settings, workflow_names
 
 
 def build_workflow(cfg: WorkflowConfig) -> Workflow:
-    if cfg.name not in WORKFLOWS:
-        raise ValueError(f"workflow.name={cfg.name!r} is unknown; choose one of {sorted(WORKFLOWS)}")
-    return WORKFLOWS[cfg.name](cfg)
+    """The workflow `cfg.name`, built from its validated `cfg.params`."""
+    found = entry(cfg.name)
+    return found.cls(make_settings(cfg.name, cfg.params))
 
 
-__all__ = ["WORKFLOWS", "Task", "Workflow", "WorkflowConfig", "build_workflow"]
+__all__ = ["Task", "Workflow", "WorkflowConfig", "build_workflow", "discover", "workflow_names"]

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import dataclass
 
-from actors.workflows.base import ArithDuoConfig, Task
+from actors.workflows.base import Task
+from actors.workflows.registry import register
 
 _BOXED = re.compile(r"\\boxed\{\s*(-?\d+(?:\.\d+)?)\s*\}")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -41,10 +43,29 @@ def mentions(text: str, truth: float) -> bool:
     return any(num_eq(float(n), truth) for n in _NUMBER.findall(text))
 
 
+@dataclass
+class ArithDuoConfig:
+    max_operand: int = 50  # operands are drawn from 1..max_operand
+    operators: str = "+-*"  # operators the generator uses
+    solver_tokens: int = 96  # max new tokens of the solver's draft
+    verifier_tokens: int = 48  # max new tokens of the verifier's answer
+
+    def __post_init__(self) -> None:
+        if self.max_operand < 1:
+            raise ValueError(f"workflow.params.max_operand={self.max_operand}: must be >= 1")
+        bad = set(self.operators) - set("+-*")
+        if bad or not self.operators:
+            raise ValueError(
+                f"workflow.params.operators={self.operators!r}: use a non-empty subset of '+-*'"
+            )
+
+
+@register("arith_duo", ArithDuoConfig)
 class ArithDuo:
     name = "arith_duo"
     agents = ("solver", "verifier")
     sampling = "tree"
+    coach_prompt = "arith_duo"  # configs/coach_prompts/arith_duo.txt (MAPPA B.4, two agents)
 
     def __init__(self, cfg: ArithDuoConfig) -> None:
         self.cfg = cfg

@@ -11,49 +11,18 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-
-@dataclass
-class SignalGameConfig:
-    num_targets: int = 4  # V: how many targets the sender can see (chance success = 1/V)
-    message_tokens: int = 1  # tokens the sender may emit
-    answer_tokens: int = 1  # tokens the receiver may emit
-    # receiver's local reward for naming any target (AT-GRPO eq. 4 r_local); 0 by default:
-    # it pulls every message toward whichever target the receiver happens to name first
-    valid_answer_bonus: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not 2 <= self.num_targets <= 10:
-            raise ValueError(
-                f"workflow.signal_game.num_targets={self.num_targets}: use 2..10 "
-                "(targets are the digits 0..V-1)"
-            )
-
-
-@dataclass
-class ArithDuoConfig:
-    max_operand: int = 50  # operands are drawn from 1..max_operand
-    operators: str = "+-*"  # operators the generator uses
-    solver_tokens: int = 96  # max new tokens of the solver's draft
-    verifier_tokens: int = 48  # max new tokens of the verifier's answer
-
-    def __post_init__(self) -> None:
-        if self.max_operand < 1:
-            raise ValueError(f"workflow.arith_duo.max_operand={self.max_operand}: must be >= 1")
-        bad = set(self.operators) - set("+-*")
-        if bad or not self.operators:
-            raise ValueError(
-                f"workflow.arith_duo.operators={self.operators!r}: use a non-empty subset of '+-*'"
-            )
+from actors.tasks import TaskConfig
 
 
 @dataclass
 class WorkflowConfig:
-    name: str = "signal_game"  # a key of actors.workflows.WORKFLOWS
+    name: str = "signal_game"  # a registered workflow (actors/workflows/registry.py)
     # agent name -> model id (a key of `models`); several agents may share one model
     agents: dict[str, str] = field(default_factory=dict)
     group_size: int = 4  # K candidates per action (tree) or G joint rollouts per round
-    signal_game: SignalGameConfig = field(default_factory=SignalGameConfig)
-    arith_duo: ArithDuoConfig = field(default_factory=ArithDuoConfig)
+    # the workflow's own settings, validated by its config dataclass (e.g. MathChatConfig)
+    params: dict[str, Any] = field(default_factory=dict)
+    tasks: TaskConfig = field(default_factory=TaskConfig)  # task file or generator, splits
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
@@ -89,16 +58,23 @@ def units_per_round(workflow: "Workflow", agent_models: dict[str, str], group_si
 
 
 class Workflow(Protocol):
-    """The protocol every workflow implements (registered in actors.workflows.WORKFLOWS)."""
+    """The protocol every workflow implements (registered with actors.workflows.registry)."""
 
     name: str
     agents: tuple[str, ...]  # the roles the workflow plays, mapped to models by config
     sampling: str  # "joint": G episodes per round, n=1 per act; "tree": one episode, n=K
+    coach_prompt: str  # template under configs/coach_prompts for coach.kind=http ("" = none)
 
-    def make_task(self, rng: random.Random, index: int) -> Task: ...
+    def make_task(self, rng: random.Random, index: int) -> Task:
+        """The procedural generator (used when workflow.tasks.path is empty)."""
+        ...
 
     def groups_per_round(self, agent: str, group_size: int) -> int:
-        """How many groups (of group_size rows) one round gives this agent."""
+        """At most how many groups (of group_size rows) one round gives this agent.
+
+        An upper bound: the round is admitted for it, and what the round did not produce is
+        released when it ends (DESIGN §14).
+        """
         ...
 
     async def run(self, task: Task, episode: "Any") -> dict[str, float]:

@@ -19,16 +19,37 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import dataclass
 
-from actors.workflows.base import SignalGameConfig, Task
+from actors.workflows.base import Task
+from actors.workflows.registry import register
 
 _WORD = re.compile(r"\S+")
 
 
+@dataclass
+class SignalGameConfig:
+    num_targets: int = 4  # V: how many targets the sender can see (chance success = 1/V)
+    message_tokens: int = 1  # tokens the sender may emit
+    answer_tokens: int = 1  # tokens the receiver may emit
+    # receiver's local reward for naming any target (AT-GRPO eq. 4 r_local); 0 by default:
+    # it pulls every message toward whichever target the receiver happens to name first
+    valid_answer_bonus: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.num_targets <= 10:
+            raise ValueError(
+                f"workflow.params.num_targets={self.num_targets}: use 2..10 "
+                "(targets are the digits 0..V-1)"
+            )
+
+
+@register("signal_game", SignalGameConfig)
 class SignalGame:
     name = "signal_game"
     agents = ("sender", "receiver")
     sampling = "joint"
+    coach_prompt = ""  # no LLM-coach template: the rule coach scores it
 
     def __init__(self, cfg: SignalGameConfig) -> None:
         self.cfg = cfg

@@ -24,7 +24,7 @@ from actors.engines.client import EngineClient
 from actors.engines.sglang import EngineConfig, SGLangEngine
 from actors.episode import Episode, ModelRoute, SamplingParams
 from actors.workflows.arith_duo import ArithDuo
-from actors.workflows.base import ArithDuoConfig
+from actors.workflows.arith_duo import ArithDuoConfig
 from buffers.replay import BufferConfig, ReplayBuffer
 from buffers.schema import new_id
 from runtime.models import resolve_model

@@ -15,7 +15,8 @@ def test_admission_follows_version_and_eta():
     assert clock.try_admit({"policy": 1})
     assert not clock.try_admit({"policy": 1})
     snap = clock.snapshot()["policy"]
-    assert snap == {"batch_units": 2, "max_staleness": 1, "version": 1, "issued_units": 6, "limit": 6}
+    assert snap == {"batch_units": 2, "max_staleness": 1, "version": 1, "issued_units": 6, "limit": 6,
+                    "released_surplus": 0}
 
 
 def test_eta_zero_is_on_policy_and_live_tunable():

@@ -7,7 +7,7 @@ import pytest
 from actors.coach import CoachConfig, CoachFailure, CoachPool, RuleCoach
 from actors.episode import CoachRequest
 from actors.workflows.arith_duo import ArithDuo
-from actors.workflows.base import ArithDuoConfig
+from actors.workflows.arith_duo import ArithDuoConfig
 
 
 def request(step_id, text, agent="verifier"):

@@ -4,7 +4,9 @@ import random
 import pytest
 
 from actors.workflows.arith_duo import ArithDuo, boxed_answer, num_eq
-from actors.workflows.base import ArithDuoConfig, SignalGameConfig, Task, units_per_round
+from actors.workflows.arith_duo import ArithDuoConfig
+from actors.workflows.base import Task, units_per_round
+from actors.workflows.signal_game import SignalGameConfig
 from actors.workflows.signal_game import SignalGame
 
 TASK = Task("t", "What is 17 + 25?", "42")
