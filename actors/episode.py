@@ -19,7 +19,7 @@ from typing import Any, Awaitable, Callable, Protocol
 
 import numpy as np
 
-from buffers.schema import StepRecord, group_key, new_id
+from buffers.schema import RewardCommit, StepRecord, group_key, new_id
 
 
 class Generator(Protocol):
@@ -142,7 +142,8 @@ class Episode:
         self._coached: set[str] = set()  # step_ids already sent to the coach (at most once)
         self._tree_steps: set[str] = set()  # candidates of n > 1 actions
         self._chosen: set[str] = set()  # tree candidates the episode continued from
-        self._coach_failed: dict[str, list] = {}  # model_id -> RewardCommit, sync mode
+        self._coach_failed: dict[str, list] = {}  # model_id -> FAILED RewardCommits to send
+        self._failed: set[str] = set()  # rows failed by the episode itself (Episode.fail)
         self.generated_tokens = 0
 
     async def act(self, agent: str, messages: list[dict[str, str]] | str, *, turn: int,
@@ -224,6 +225,19 @@ class Episode:
                      response_len=len(d.fields["response_ids"]), **d.fields["meta"])
                 for d in self._drafts.values()]
 
+    def fail(self, step_id: str, reason: str) -> None:
+        """Mark an action's row FAILED under `reason` (e.g. "sandbox": the tool's
+        infrastructure failed, not the model): it ships, is counted as dropped, and is never
+        trained or sent to the coach."""
+        draft = self._drafts.get(step_id)
+        if draft is None:
+            raise KeyError(f"fail({step_id!r}): no action of this episode has that step_id")
+        if step_id in self._coached:
+            raise ValueError(f"fail({step_id!r}): the row was already sent to the coach")
+        self._failed.add(step_id)
+        self._coach_failed.setdefault(draft.fields["model_id"], []).append(
+            RewardCommit(step_id, failed_reason=reason))
+
     def keep(self, action: Action) -> None:
         """Mark the tree candidate the episode continues from (its trajectory, MAPPA F.2)."""
         self._chosen.add(action.step_id)
@@ -242,6 +256,9 @@ class Episode:
         as MAPPA's loop does, and travel in the rows; a row the coach failed on ships
         without a reward and its failure is committed right after (`coach_failures`).
         """
+        actions = [a for a in actions if a.step_id not in self._failed]  # never scored
+        if not actions:
+            return
         repeated = [a.step_id for a in actions if a.step_id in self._coached]
         if repeated:
             raise ValueError(f"actions {repeated} were already sent to the coach: a row's "
@@ -275,7 +292,8 @@ class Episode:
 
     @property
     def coach_failures(self) -> dict[str, list]:
-        """Synchronous mode: FAILED commits per model, to send once the rows are buffered."""
+        """FAILED commits per model, sent once the rows are buffered: rows the inline coach
+        failed on (synchronous mode) and rows the episode failed (`fail`)."""
         return {m: list(c) for m, c in self._coach_failed.items()}
 
     @property

@@ -216,7 +216,7 @@ class RolloutActor:
             self.rows_added += len(records)
             if self.readiness[model_id] == "episode":
                 await self.ports.seal_episode(model_id, ep.episode_id, len(records))
-        for ep in episodes:  # synchronous mode: rows the inline coach failed on
+        for ep in episodes:  # rows the inline coach (synchronous mode) or the episode failed
             for model_id, commits in ep.coach_failures.items():
                 await self.ports.commit_rewards(model_id, commits)
         requests = [r for ep, result in zip(episodes, results)

@@ -56,6 +56,9 @@ if TYPE_CHECKING:
     from actors.workflows.base import Task
 
 log = logging.getLogger(__name__)
+# math-verify warns once per process that its signal timeouts are off: they are, on purpose
+# (signals work only in the main thread); answers_match bounds the work itself.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 _MAX_SKIPS_IN_A_ROW = 1000  # generated train tasks that all repeat eval prompts: give up
 _MAX_PREDICTION_CHARS = 2000  # only a prediction's tail is parsed (the answer is at its end)

@@ -251,8 +251,6 @@ class DSBenchLite:
         # Each agent's first turn number: fixed by the budgets, the same in every episode.
         self.first_turn = {agent: sum(self.turns[a] for a in AGENTS[:i])
                            for i, agent in enumerate(AGENTS)}
-        # The G episodes of a round share one task: build its split and CSV text once.
-        self._prepare = functools.lru_cache(maxsize=8)(_prepare)
 
     # ------------------------------------------------------------------ tasks
     def make_task(self, rng: random.Random, index: int) -> Task:
@@ -294,7 +292,7 @@ class DSBenchLite:
         by the mean of success); `<agent>_turns`; tool_call_rate and tool_ok_rate over all
         actions; `has_<artifact>` for the five required files at the end.
         """
-        split, train_csv, test_csv = self._prepare(TaskSpec.from_truth(task.truth))
+        split, train_csv, test_csv = _prepare(TaskSpec.from_truth(task.truth))
         with self.tool.workspace() as workspace:
             workspace.write("train.csv", train_csv)
             workspace.write("test.csv", test_csv)
@@ -329,8 +327,7 @@ class DSBenchLite:
             [reply] = await episode.act(agent, messages, turn=self.first_turn[agent] + index,
                                         max_new_tokens=self.tokens[agent], prefix=prefix,
                                         stop=self.tool.stop_strings(prefix))
-            result = await self.tool.run(reply.text, workspace)
-            episode.annotate(reply.step_id, **result.meta())
+            result = await self.tool.call(episode, reply, workspace)
             files = workspace.files()
             present = [name for name in required if name in files]
             context = _coach_context(result, files, present, required)
@@ -369,8 +366,10 @@ def _coach_context(result, files: list[str], present: list[str],
     return context
 
 
+@functools.lru_cache(maxsize=8)  # module level: the workflow object travels to Ray actors
 def _prepare(spec: TaskSpec) -> tuple[Split, str, str]:
-    """A task's split and the text of its two CSV files."""
+    """A task's split and the text of its two CSV files (the G episodes of a round share
+    one task: built once)."""
     split = build_split(spec)
     return split, split.train.to_csv(index=False), split.test.to_csv(index=False)
 

@@ -184,8 +184,7 @@ class MathChat:
                     "executor", messages, turn=turn, max_new_tokens=cfg.executor_tokens,
                     prefix=cfg.executor_prefix, stop=self.tool.stop_strings(cfg.executor_prefix))
                 turns += 1
-                result = await self.tool.run(reply.text, workspace)
-                episode.annotate(reply.step_id, **result.meta())
+                result = await self.tool.call(episode, reply, workspace)
                 await episode.coach([reply], input_text=messages[-1]["content"],
                                     context=result.context())
                 transcript.append(reply.text.strip())

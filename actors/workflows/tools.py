@@ -1,17 +1,21 @@
 """The code tool workflows share: run an action's ```python blocks in the sandbox.
 
 A workflow holds one `CodeTool` per rollout actor (its sandbox bounds concurrent runs, DESIGN
-§14) and asks it to run each action that may call the tool. Model code that fails is an
-observation (the agent and the coach see it); an infrastructure failure of the sandbox raises
-`SandboxError`, which fails the round with a counted reason (episode_error).
+§14) and hands it each action that may call the tool (`call`). Model code that fails is an
+observation (the agent and the coach see it); an infrastructure failure of the sandbox marks
+that action's row FAILED `sandbox` (`Episode.fail`: it is counted, never trained, never sent
+to the coach) and the agent is told the tool was unavailable.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from actors.sandbox import Sandbox, SandboxConfig, Workspace, python_blocks
+from actors.sandbox import Sandbox, SandboxConfig, SandboxError, Workspace, python_blocks
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -23,11 +27,12 @@ class ToolResult:
     observation: str  # what the agent and the coach are shown ("" when not called)
     tripped: str | None = None  # the sandbox limit that ended the run, if any
     wall_s: float = 0.0
+    infra_error: str = ""  # the sandbox itself failed (not the model's code)
 
     def meta(self) -> dict[str, Any]:
         """Row annotations (Episode.annotate): what evaluation and metrics count."""
         return {"tool_called": self.called, "tool_ok": self.ok, "tool_tripped": self.tripped,
-                "tool_wall_s": round(self.wall_s, 3)}
+                "tool_wall_s": round(self.wall_s, 3), "tool_infra_error": self.infra_error}
 
     def context(self) -> dict[str, Any]:
         """The coach request's context: MAPPA §2.2's tool execution results."""
@@ -42,6 +47,7 @@ class CodeTool:
         self.cfg = cfg
         self.observation_chars = observation_chars
         self._sandbox: Sandbox | None = None
+        self.infra_failures = 0
 
     @property
     def sandbox(self) -> Sandbox:
@@ -65,12 +71,29 @@ class CodeTool:
         return ["```"] if "```" in prefix else ["```\n"]
 
     async def run(self, text: str, workspace: Workspace) -> ToolResult:
+        """Run the reply's code blocks (joined, in order); a sandbox failure is reported in
+        `infra_error`, never raised."""
         blocks = python_blocks(text)
         if not blocks:
             return ToolResult(False, False, "")
-        result = await self.sandbox.run_python("\n\n".join(blocks), workspace)
+        try:
+            result = await self.sandbox.run_python("\n\n".join(blocks), workspace)
+        except SandboxError as exc:  # counted: the row is FAILED `sandbox` (see call)
+            self.infra_failures += 1
+            log.warning("sandbox failure (%d so far): %s", self.infra_failures, exc)
+            return ToolResult(True, False, "The code could not be run: the tool is unavailable.",
+                              infra_error=str(exc)[:500])
         return ToolResult(True, result.ok, result.observation(self.observation_chars),
                           result.tripped, result.wall_s)
+
+    async def call(self, episode, action, workspace: Workspace) -> ToolResult:
+        """Run an action's code and record it on its row (annotations; FAILED on a sandbox
+        failure, so the row is neither trained nor coached)."""
+        result = await self.run(action.text, workspace)
+        episode.annotate(action.step_id, **result.meta())
+        if result.infra_error:
+            episode.fail(action.step_id, "sandbox")
+        return result
 
     def stats(self) -> dict:
         return self.sandbox.stats() if self._sandbox is not None else {}

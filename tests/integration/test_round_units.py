@@ -176,3 +176,47 @@ def test_a_turn_no_episode_reached_gives_its_units_back(tiny_engine, tiny_model_
     snap = clock.snapshot()["m"]
     assert snap["issued_units"] == 2 and snap["released_surplus"] == 1
     assert buffer.stats().ready_units == 2
+
+
+def test_a_row_the_episode_failed_is_counted_and_never_coached(tiny_engine, tiny_model_path):
+    """Episode.fail (a sandbox failure): the row ships, is dropped as failed, and no coach
+    request is made for it — counted here from what reached the buffer and the coach."""
+    from actors.episode import Episode, SamplingParams
+
+    clock = VersionClock({"m": (100, 0)})
+    buffer = ReplayBuffer("m", BufferConfig(readiness="episode", unit_timeout_s=3600.0))
+    ports = LocalPorts(clock, buffer)
+    coached: list[str] = []
+    original_submit = ports.submit_coach
+
+    async def submit(requests):
+        coached.extend(r.step_id for r in requests)
+        await original_submit(requests)
+
+    ports.submit_coach = submit
+    route = ModelRoute("m", [EngineClient(tiny_engine.url)],
+                       AutoTokenizer.from_pretrained(str(tiny_model_path)))
+    actor = RolloutActor(RolloutConfig(concurrency=1),
+                         WorkflowConfig(name="early_stop_probe", agents={"a": "m"},
+                                        group_size=1, tasks=TaskConfig(eval_size=0)),
+                         "run", 0, {"m": route}, ports, {"m": "episode"})
+    episode = Episode(run_id="run", workflow="early_stop_probe", task_id="t", round_id="r",
+                      round_size=1, round_index=0, group_size=1, agent_models={"a": "m"},
+                      routes={"m": route}, sampling=SamplingParams())
+
+    async def go():
+        [good] = await episode.act("a", "count 1", turn=0, max_new_tokens=2)
+        [bad] = await episode.act("a", "count 2", turn=1, max_new_tokens=2)
+        episode.fail(bad.step_id, "sandbox")
+        await episode.coach([good, bad], input_text="x")
+        assert clock.try_admit({"m": 1}, "r0", "r")
+        clock.generated("r", {episode.episode_id: {"m": 2}}, {"m": 1})
+        await actor._ship([episode], {episode.episode_id: episode.records()}, [{}])
+        return good, bad
+
+    good, bad = asyncio.run(go())
+    assert coached == [good.step_id]
+    stats = buffer.stats()
+    assert stats.dropped["failed"] == 1 and stats.ready_units == 1, stats
+    batch = buffer.sample(1, current_version=0, max_staleness=0)
+    assert batch.table.column("step_id").to_pylist() == [good.step_id]

@@ -44,6 +44,9 @@ class ScriptedEpisode:
     def annotate(self, step_id, **meta):
         self.meta[step_id].update(meta)
 
+    def fail(self, step_id, reason):
+        self.meta[step_id]["failed"] = reason
+
     async def coach(self, actions, *, input_text, context=None, truth=None):
         self.requests += [CoachRequest(
             step_id=a.step_id, model_id="policy", agent=a.agent, workflow="mathchat",
@@ -140,3 +143,18 @@ def test_generated_problems_have_integer_answers(steps):
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match=r"workflow.params.tool_turns=0"):
         MathChatConfig(tool_turns=0)
+
+
+def test_a_sandbox_failure_fails_the_row_not_the_round():
+    """The workspace vanishes under the tool: the row is FAILED `sandbox`, the agent is told."""
+    tool = MathChat(MathChatConfig(sandbox=SandboxConfig(timeout_s=5))).tool
+    episode = ScriptedEpisode({"executor": ["```python\nprint(1)\n```"]})
+    with tool.workspace() as workspace:
+        [action] = asyncio.run(episode.act("executor", [{"content": ""}], turn=1,
+                                           max_new_tokens=8))
+        workspace.cleanup()
+        result = asyncio.run(tool.call(episode, action, workspace))
+    assert result.infra_error and not result.ok
+    assert episode.meta[action.step_id]["failed"] == "sandbox"
+    assert episode.meta[action.step_id]["tool_infra_error"]
+    assert tool.infra_failures == 1

@@ -77,3 +77,30 @@ def test_signal_game_refuses_to_invent_a_coach_score():
     game = SignalGame(SignalGameConfig())
     with pytest.raises(ValueError, match="inline"):
         game.rule_score("receiver", Task("t", "target 1", "1"), "1", "length", {})
+
+
+def test_every_registered_workflow_builds_from_defaults_and_travels_to_ray_actors():
+    """Workflows register themselves; each built one must pickle (it is sent to the coach
+    and rollout actors) — a cached bound helper once broke this for dsbench_lite."""
+    import pickle
+
+    from actors.workflows import WorkflowConfig, build_workflow, workflow_names
+
+    names = workflow_names()
+    assert {"arith_duo", "signal_game", "mathchat", "dsbench_lite"} <= set(names)
+    for name in names:
+        workflow = build_workflow(WorkflowConfig(name=name))
+        assert workflow.name == name
+        clone = pickle.loads(pickle.dumps(workflow))
+        assert clone.agents == workflow.agents
+
+
+def test_workflow_params_are_checked_by_the_workflows_own_config():
+    from actors.workflows import WorkflowConfig, build_workflow
+
+    with pytest.raises(ValueError, match="workflow.params.max_operand=0"):
+        build_workflow(WorkflowConfig(name="arith_duo", params={"max_operand": 0}))
+    with pytest.raises(ValueError, match="workflow.params of arith_duo.*no_such_field"):
+        build_workflow(WorkflowConfig(name="arith_duo", params={"no_such_field": 1}))
+    with pytest.raises(ValueError, match="workflow.name='nope' is unknown"):
+        build_workflow(WorkflowConfig(name="nope"))
