@@ -108,16 +108,22 @@ class LocalPorts:
         pass
 
 
-def play_rounds(tiny_engine, tiny_model_path, stop_odd: bool, rounds: int = 3):
+def build(tiny_engine, tiny_model_path, readiness="group", group_size=G, **params):
+    """A rollout actor of the probe over a real clock and buffer in this process."""
     clock = VersionClock({"m": (100, 0)})
-    buffer = ReplayBuffer("m", BufferConfig(readiness="group", unit_timeout_s=3600.0))
+    buffer = ReplayBuffer("m", BufferConfig(readiness=readiness, unit_timeout_s=3600.0))
     ports = LocalPorts(clock, buffer)
     route = ModelRoute("m", [EngineClient(tiny_engine.url)],
                        AutoTokenizer.from_pretrained(str(tiny_model_path)))
-    cfg = WorkflowConfig(name="early_stop_probe", agents={"a": "m"}, group_size=G,
-                         params={"stop_odd": stop_odd}, tasks=TaskConfig(eval_size=0))
+    cfg = WorkflowConfig(name="early_stop_probe", agents={"a": "m"}, group_size=group_size,
+                         params=params, tasks=TaskConfig(eval_size=0))
     actor = RolloutActor(RolloutConfig(concurrency=1), cfg, "run", 0, {"m": route}, ports,
-                         {"m": "group"})
+                         {"m": readiness})
+    return clock, buffer, ports, route, actor
+
+
+def play_rounds(tiny_engine, tiny_model_path, stop_odd: bool, rounds: int = 3):
+    clock, buffer, ports, _, actor = build(tiny_engine, tiny_model_path, stop_odd=stop_odd)
 
     async def go():
         for _ in range(rounds):
@@ -154,15 +160,7 @@ def test_a_turn_no_episode_reached_gives_its_units_back(tiny_engine, tiny_model_
     original = EarlyStop.groups_per_round
     EarlyStop.groups_per_round = lambda self, agent, group_size: 3
     try:
-        clock = VersionClock({"m": (100, 0)})
-        buffer = ReplayBuffer("m", BufferConfig(readiness="group", unit_timeout_s=3600.0))
-        ports = LocalPorts(clock, buffer)
-        route = ModelRoute("m", [EngineClient(tiny_engine.url)],
-                           AutoTokenizer.from_pretrained(str(tiny_model_path)))
-        cfg = WorkflowConfig(name="early_stop_probe", agents={"a": "m"}, group_size=G,
-                             tasks=TaskConfig(eval_size=0))
-        actor = RolloutActor(RolloutConfig(concurrency=1), cfg, "run", 0, {"m": route}, ports,
-                             {"m": "group"})
+        clock, buffer, ports, _, actor = build(tiny_engine, tiny_model_path)
 
         async def go():
             task = actor.tasks.next()
@@ -183,9 +181,7 @@ def test_a_row_the_episode_failed_is_counted_and_never_coached(tiny_engine, tiny
     request is made for it — counted here from what reached the buffer and the coach."""
     from actors.episode import Episode, SamplingParams
 
-    clock = VersionClock({"m": (100, 0)})
-    buffer = ReplayBuffer("m", BufferConfig(readiness="episode", unit_timeout_s=3600.0))
-    ports = LocalPorts(clock, buffer)
+    clock, buffer, ports, route, actor = build(tiny_engine, tiny_model_path, "episode", 1)
     coached: list[str] = []
     original_submit = ports.submit_coach
 
@@ -194,12 +190,6 @@ def test_a_row_the_episode_failed_is_counted_and_never_coached(tiny_engine, tiny
         await original_submit(requests)
 
     ports.submit_coach = submit
-    route = ModelRoute("m", [EngineClient(tiny_engine.url)],
-                       AutoTokenizer.from_pretrained(str(tiny_model_path)))
-    actor = RolloutActor(RolloutConfig(concurrency=1),
-                         WorkflowConfig(name="early_stop_probe", agents={"a": "m"},
-                                        group_size=1, tasks=TaskConfig(eval_size=0)),
-                         "run", 0, {"m": route}, ports, {"m": "episode"})
     episode = Episode(run_id="run", workflow="early_stop_probe", task_id="t", round_id="r",
                       round_size=1, round_index=0, group_size=1, agent_models={"a": "m"},
                       routes={"m": route}, sampling=SamplingParams())
