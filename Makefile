@@ -35,6 +35,7 @@ $(MODELS): $(STAMP) runtime/models.py
 
 run: models
 	$(PY) scripts/launch_async.py --config $(CONFIG)
+	$(PY) scripts/evaluate.py --run latest --compare-base
 
 test: models
 	$(PY) -m pytest tests -v --durations=15
