@@ -219,12 +219,6 @@ class Episode:
         json.dumps(meta)  # fail here, at the workflow's line, not when the row is shipped
         draft.fields["meta"].update(meta)
 
-    def actions_meta(self) -> list[dict[str, Any]]:
-        """(agent, turn, meta) of every action so far, in order: what evaluation summarises."""
-        return [dict(agent=d.fields["agent"], turn=d.fields["turn"],
-                     response_len=len(d.fields["response_ids"]), **d.fields["meta"])
-                for d in self._drafts.values()]
-
     def fail(self, step_id: str, reason: str) -> None:
         """Mark an action's row FAILED under `reason` (e.g. "sandbox": the tool's
         infrastructure failed, not the model): it ships, is counted as dropped, and is never
