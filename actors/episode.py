@@ -142,7 +142,7 @@ class Episode:
         self._coached: set[str] = set()  # step_ids already sent to the coach (at most once)
         self._tree_steps: set[str] = set()  # candidates of n > 1 actions
         self._chosen: set[str] = set()  # tree candidates the episode continued from
-        self._coach_failed: dict[str, list] = {}  # model_id -> FAILED RewardCommits to send
+        self._failures: dict[str, list] = {}  # model_id -> FAILED RewardCommits to send
         self._failed: set[str] = set()  # rows failed by the episode itself (Episode.fail)
         self.generated_tokens = 0
 
@@ -229,7 +229,7 @@ class Episode:
         if step_id in self._coached:
             raise ValueError(f"fail({step_id!r}): the row was already sent to the coach")
         self._failed.add(step_id)
-        self._coach_failed.setdefault(draft.fields["model_id"], []).append(
+        self._failures.setdefault(draft.fields["model_id"], []).append(
             RewardCommit(step_id, failed_reason=reason))
 
     def keep(self, action: Action) -> None:
@@ -248,7 +248,7 @@ class Episode:
         in the buffer later by step_id; the episode does not wait. Synchronous baseline
         (`sync_scorer` set, DESIGN §12): the scores are awaited here, inside the trajectory,
         as MAPPA's loop does, and travel in the rows; a row the coach failed on ships
-        without a reward and its failure is committed right after (`coach_failures`).
+        without a reward and its failure is committed right after (`failures`).
         """
         actions = [a for a in actions if a.step_id not in self._failed]  # never scored
         if not actions:
@@ -275,7 +275,7 @@ class Episode:
                 self._drafts[request.step_id].rewards.update(coach_score=result.coach_score,
                                                              reward=result.reward)
             else:
-                self._coach_failed.setdefault(request.model_id, []).append(result.commit())
+                self._failures.setdefault(request.model_id, []).append(result.commit())
 
     def coach_requests(self, outcome: float | None = None) -> list[CoachRequest]:
         """The pending coach requests, with the episode's outcome and trajectory marks."""
@@ -285,10 +285,10 @@ class Episode:
                 for r in self._coach]
 
     @property
-    def coach_failures(self) -> dict[str, list]:
+    def failures(self) -> dict[str, list]:
         """FAILED commits per model, sent once the rows are buffered: rows the inline coach
         failed on (synchronous mode) and rows the episode failed (`fail`)."""
-        return {m: list(c) for m, c in self._coach_failed.items()}
+        return {m: list(c) for m, c in self._failures.items()}
 
     @property
     def num_rows(self) -> int:

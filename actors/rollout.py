@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from actors.episode import CoachRequest, Episode, ModelRoute, SamplingParams
-from actors.workflows import WorkflowConfig, build_workflow
 from actors.tasks import TasksExhausted, TaskSource
+from actors.workflows import WorkflowConfig, build_workflow
 from actors.workflows.base import units_per_round
 from buffers.schema import RewardCommit, StepRecord, new_id
 
@@ -217,7 +217,7 @@ class RolloutActor:
             if self.readiness[model_id] == "episode":
                 await self.ports.seal_episode(model_id, ep.episode_id, len(records))
         for ep in episodes:  # rows the inline coach (synchronous mode) or the episode failed
-            for model_id, commits in ep.coach_failures.items():
+            for model_id, commits in ep.failures.items():
                 await self.ports.commit_rewards(model_id, commits)
         requests = [r for ep, result in zip(episodes, results)
                     for r in ep.coach_requests(result.get("success"))]

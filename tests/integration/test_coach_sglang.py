@@ -64,7 +64,7 @@ async def play_rounds(policy_url: str, tokenizer, pool: CoachPool, buffer: Repla
         records = episode.records()["policy"]
         assert buffer.try_add(records)
         step_ids += [r.step_id for r in records]
-        for model_id, commits in episode.coach_failures.items():  # what the rollout does
+        for model_id, commits in episode.failures.items():  # what the rollout does
             buffer.commit_rewards(commits)
         requests = episode.coach_requests(result["success"])
         assert (len(requests) == 0) == sync
