@@ -43,6 +43,18 @@ _BUSY_LOG_EVERY_S = 30.0  # rate limit of each failed-probe warning (busy / no p
 # that then execs the server (the setting survives exec), which avoids an unsafe preexec_fn
 # in a threaded actor. argv[1] is the launcher's expected parent pid: if that parent died
 # before prctl ran, the launcher exits instead of serving an orphan.
+_REAP_WAIT_S = 10.0  # a dying server's threads unwind before it can be reaped
+
+
+def _is_zombie(pid: int) -> bool:
+    """Whether /proc shows `pid` as exited (zombie or dead) but not yet reaped."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False  # no /proc, or already gone: poll() is the authority
+    return stat[stat.rindex(b")") + 2:][:1] in (b"Z", b"X")
+
+
 _LAUNCHER = (
     "import ctypes, os, signal, sys\n"
     "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
@@ -299,18 +311,37 @@ class SGLangEngine:
     def _ensure_alive(self) -> str:
         if self._proc is None:
             return self._restart("is not running")
-        if self._proc.poll() is not None:
-            return self._restart(f"exited with code {self._proc.poll()}")
+        code = self._exit_code()
+        if code is not None:
+            return self._restart(f"exited with code {code}")
         failure = self._probe()
         if failure is None:
             self._progress.answered(self.pid)
             return self.url
-        if self._proc.poll() is not None:  # it died while we probed
-            return self._restart(f"exited with code {self._proc.poll()} ({failure})")
+        code = self._exit_code()
+        if code is not None:  # it died (or is dying) while we probed
+            return self._restart(f"exited with code {code} ({failure})")
         if self._is_stalled(failure):
             idle_s = time.monotonic() - self._progress.last_progress
             return self._restart(f"{failure}; no progress for {idle_s:.0f} s")
         return self.url
+
+    def _exit_code(self) -> int | None:
+        """The server's exit code, waiting briefly for one that is already dying.
+
+        A killed multi-threaded process shows as a zombie in /proc while its other threads
+        still unwind, and only then can it be reaped: `poll()` alone would call such a
+        server live-but-unresponsive and leave it for `cfg.unresponsive_s`.
+        """
+        code = self._proc.poll()
+        if code is not None or not _is_zombie(self._proc.pid):
+            return code
+        try:
+            return self._proc.wait(timeout=_REAP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            log.warning("engine %s: main process is a zombie but not reapable after %.0f s",
+                        self.model_id, _REAP_WAIT_S)
+            return -1
 
     def _is_stalled(self, failure: str) -> bool:
         """After a failed probe of a live process: whether it made no progress for too long.

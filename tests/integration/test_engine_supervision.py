@@ -240,3 +240,51 @@ def test_supervision_windows_must_be_positive(field):
         EngineConfig(**{field: 0})
     with pytest.raises(ValueError, match="EngineConfig.max_restarts_per_hour=-1"):
         EngineConfig(max_restarts_per_hour=-1)
+
+
+# The main thread ends (pthread_exit, GIL released by ctypes) while a second thread lives on
+# for a moment and then exits the process with code 7: in between, /proc shows the leader
+# as a zombie that waitpid cannot reap yet — what a killed multi-threaded server looks like
+# while its threads unwind.
+_DYING = (
+    "import ctypes, os, threading, time\n"
+    "threading.Thread(target=lambda: (time.sleep(1.5), os._exit(7))).start()\n"
+    "time.sleep(0.2)\n"
+    "ctypes.CDLL(None).pthread_exit(None)\n"
+)
+
+
+def test_a_dying_server_counts_as_exited_before_it_can_be_reaped(tiny_model_path, tmp_path):
+    engine = SGLangEngine("dying", tiny_model_path,
+                          EngineConfig(max_restarts_per_hour=0, unresponsive_s=600.0), tmp_path)
+    engine._port = _free_port_for_test()  # nothing listens: a probe is refused at once
+    engine._proc = subprocess.Popen([sys.executable, "-c", _DYING], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not _leader_state(engine._proc.pid) == b"Z":
+            assert time.monotonic() < deadline, "the leader never became a zombie"
+            time.sleep(0.02)
+        assert engine._proc.poll() is None  # not reapable yet: poll() alone says "running"
+        # Supervision must not call it live-but-unresponsive (restart after 600 s): it waits
+        # for the exit and restarts at once, here refused by the budget so no server starts.
+        with pytest.raises(RuntimeError, match=r"is down \(exited with code 7\)"):
+            engine.ensure_alive()
+        assert engine._proc.returncode == 7
+    finally:
+        if engine._proc.poll() is None:
+            os.killpg(engine._proc.pid, signal.SIGKILL)
+            engine._proc.wait()
+        engine._proc = None
+        engine.close()
+
+
+def _leader_state(pid: int) -> bytes:
+    stat = Path(f"/proc/{pid}/stat").read_bytes()
+    return stat[stat.rindex(b")") + 2:][:1]
+
+
+def _free_port_for_test() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
