@@ -241,9 +241,25 @@ def build_gpt_model(spec: ModelSpec, config: TransformerConfig, pre_process: boo
             rotary_percent=1.0,
         )
     _mark_tensor_parallel_weights(model)
+    _cast_params(model, config.params_dtype)
     if megatron_compat.cuda_present():
         model = model.cuda()
     return model
+
+
+def _cast_params(model: GPTModel, dtype: torch.dtype) -> None:
+    """Every parameter in `dtype`, as Transformer Engine's layers create them.
+
+    Without TE, megatron-core's local spec builds its norms as a plain `torch.nn.RMSNorm`
+    (`WrappedTorchNorm`), which ignores `params_dtype` and stays float32. Under bfloat16 that
+    leaves float32 norm weights beside bf16 ones: the bf16 optimizer puts them in its fp32
+    group, whose ids its `sharded_state_dict` cannot map (checkpoint save raises "Param id N
+    does not match any model sharded param"), and published weights mix float32 norms into a
+    folder whose config says bfloat16.
+    """
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 def _mark_tensor_parallel_weights(model: GPTModel) -> None:

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from learners.config import LearnerConfig
@@ -98,17 +99,25 @@ def test_bfloat16_trains_and_publishes_bfloat16(model_path, tmp_path):
         assert json.load(f)["dtype"] == "bfloat16"
     loaded = AutoModelForCausalLM.from_pretrained(ref.path)
     assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
+    # Every tensor bf16, the norms too (megatron's local spec builds them in float32), and
+    # published exactly as the learner holds them.
+    published = load_file(os.path.join(ref.path, "model.safetensors"))
+    assert {t.dtype for t in published.values()} == {torch.bfloat16}
+    for name, tensor in lrn.hf_state_dict().items():
+        if name in published:
+            torch.testing.assert_close(published[name], tensor, atol=0, rtol=0)
 
 
-def test_save_load_then_next_step_is_identical(model_path, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_save_load_then_next_step_is_identical(model_path, tmp_path, dtype):
     batch = make_batch([[20, 21, 22], [30, 31]], [1.0, -0.5])
-    first = learner(model_path, tmp_path, ppo_epochs=2)
+    first = learner(model_path, tmp_path, ppo_epochs=2, dtype=dtype)
     first.train_step(batch)
     first.save(str(tmp_path / "ckpt"))
     first.save(str(tmp_path / "ckpt"))  # overwriting a checkpoint replaces it
     expected = first.train_step(batch)
 
-    resumed = learner(model_path, tmp_path, ppo_epochs=2, seed=123)
+    resumed = learner(model_path, tmp_path, ppo_epochs=2, seed=123, dtype=dtype)
     resumed.load(str(tmp_path / "ckpt"))
     assert resumed.version == 1
     got = resumed.train_step(batch)
