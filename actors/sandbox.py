@@ -310,8 +310,11 @@ class Sandbox:
                 "--perms", "1777", "--size", scratch, "--tmpfs", "/tmp",
                 "--perms", "1777", "--size", scratch, "--tmpfs", "/dev/shm"]
         needed = [(workspace, "--bind")]
+        # As root the interpreter must be reachable for uid 65534; otherwise only where the
+        # private /tmp or /dev/shm would hide it (a virtual environment under /tmp).
+        needed += [(p, "--ro-bind") for p in _interpreter_dirs()
+                   if drop_uid >= 0 or _under_private_tmp(p)]
         if drop_uid >= 0:
-            needed += [(p, "--ro-bind") for p in _interpreter_dirs()]
             args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
         args += _reachable(needed, masked=drop_uid >= 0)
         args += ["--chdir", str(workspace), "--unshare-net", "--unshare-pid", "--unshare-ipc",
@@ -494,6 +497,14 @@ def _tasks_of(uid: int) -> int:
     return count
 
 
+_PRIVATE_TMP = (Path("/tmp"), Path("/dev/shm"))  # empty tmpfs inside the sandbox
+
+
+def _under_private_tmp(path: Path) -> bool:
+    """Whether the sandbox's private /tmp or /dev/shm hides `path`."""
+    return any(path == top or top in path.parents for top in _PRIVATE_TMP)
+
+
 def _interpreter_dirs() -> list[Path]:
     dirs = {Path(os.path.realpath(p)) for p in (sys.base_prefix, sys.prefix)}
     dirs.add(Path(os.path.realpath(sys.executable)).parent)
@@ -521,7 +532,7 @@ def _reachable(needed: list[tuple[Path, str]], masked: bool) -> list[str]:
         if mask is not None:
             for folder in reversed([p for p in path.parents if mask in p.parents]):
                 args += ["--perms", "0755", "--dir", str(folder)]
-        if mask is not None or how == "--bind":
+        if mask is not None or how == "--bind" or _under_private_tmp(path):
             args += [how, str(path), str(path)]
     return args
 
