@@ -528,7 +528,9 @@ def _reachable(needed: list[tuple[Path, str]], masked: bool) -> list[str]:
     for mask in sorted(masks, key=lambda m: len(m.parts)):
         args += ["--perms", "0755", "--tmpfs", str(mask)]
     for path, how in needed:
-        mask = next((m for m in masks if m in path.parents), None)
+        # Under the private /tmp, bwrap would create the missing parents 0700: make them too.
+        mask = next((m for m in masks if m in path.parents),
+                    next((t for t in _PRIVATE_TMP if t in path.parents), None))
         if mask is not None:
             for folder in reversed([p for p in path.parents if mask in p.parents]):
                 args += ["--perms", "0755", "--dir", str(folder)]

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -443,3 +445,29 @@ def test_python_blocks():
     assert python_blocks(reply) == ["print(1)", "x = 2\nprint(x)", "", "import os"]
     assert python_blocks("no code here") == []
     assert python_blocks("```python\nprint('a ``` inside')\n```") == ["print('a ``` inside')"]
+
+
+def test_bwrap_runs_an_interpreter_that_lives_under_tmp():
+    """A virtual environment in an open folder under /tmp (a clone there, say) is hidden by
+    the sandbox's private /tmp unless it is bound in, with parents that uid 65534 may
+    traverse: bwrap must still run it. (pytest's own tmp folders are closed, 0700, which
+    takes another path through the sandbox, so this one is made open.)"""
+    _sandbox("bwrap")  # skips where bwrap is unusable
+    top = Path(tempfile.mkdtemp(prefix="troupe-venv-", dir="/tmp"))
+    try:
+        top.chmod(0o755)
+        venv = top / "clone" / ".venv"
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+        paths = os.pathsep.join([str(REPO), *[p for p in sys.path if p.endswith("site-packages")]])
+        probe = ("import asyncio\n"
+                 "from actors.sandbox import Sandbox, SandboxConfig, Workspace\n"
+                 "sandbox = Sandbox(SandboxConfig(isolation='bwrap'))\n"
+                 "with Workspace.create() as ws:\n"
+                 "    result = asyncio.run(sandbox.run_python('import sys; print(sys.prefix)', ws))\n"
+                 "print(result.ok, result.stdout.strip())\n")
+        done = subprocess.run([str(venv / "bin" / "python"), "-c", probe], capture_output=True,
+                              text=True, timeout=120, env=dict(os.environ, PYTHONPATH=paths))
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.split() == ["True", str(venv)]
+    finally:
+        shutil.rmtree(top)
