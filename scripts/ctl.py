@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import secrets
+import signal
 import sys
 import time
 from pathlib import Path
@@ -162,21 +163,39 @@ def step_line(body: dict[str, Any]) -> str:
 
 
 async def watch(endpoint: BusEndpoint, run_id: str) -> int:
-    """Print one line per `events/step`, and every `events/error`, until interrupted."""
+    """Print one line per `events/step`, and every `events/error`, until SIGINT or SIGTERM.
+
+    The handlers are installed explicitly: a process started in the background by a script
+    inherits SIGINT ignored, and Ctrl-C (or a supervisor's SIGTERM) must still end the watch.
+    """
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     async with endpoint.client(BusConfig()) as client:
         await client.subscribe(event_topic(run_id, "step"), qos=1)
         await client.subscribe(event_topic(run_id, "error"), qos=1)
         print(f"watching run {run_id} (Ctrl-C to stop)", flush=True)
-        topics = {event_topic(run_id, "step"), event_topic(run_id, "error")}
-        async for message in client.messages:
-            body = read_event(message, topics)
-            if body is None:
-                continue
-            if message.topic.matches(event_topic(run_id, "error")):
-                print(f"error on {body.get('topic', '?')}: {body.get('reason', body)}", flush=True)
-            else:
-                print(step_line(body), flush=True)
+        printer = asyncio.create_task(_print_events(client, run_id))
+        stopper = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({printer, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (printer, stopper):
+            task.cancel()
+        if printer in done:
+            printer.result()  # the broker went away: raise its error
     return EXIT_OK
+
+
+async def _print_events(client: aiomqtt.Client, run_id: str) -> None:
+    topics = {event_topic(run_id, "step"), event_topic(run_id, "error")}
+    async for message in client.messages:
+        body = read_event(message, topics)
+        if body is None:
+            continue
+        if message.topic.matches(event_topic(run_id, "error")):
+            print(f"error on {body.get('topic', '?')}: {body.get('reason', body)}", flush=True)
+        else:
+            print(step_line(body), flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
