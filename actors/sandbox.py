@@ -534,7 +534,7 @@ def _reachable(needed: list[tuple[Path, str]], masked: bool) -> list[str]:
         if mask is not None:
             for folder in reversed([p for p in path.parents if mask in p.parents]):
                 args += ["--perms", "0755", "--dir", str(folder)]
-        if mask is not None or how == "--bind" or _under_private_tmp(path):
+        if mask is not None or how == "--bind":
             args += [how, str(path), str(path)]
     return args
 

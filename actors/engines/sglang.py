@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from actors.engines.supervision import ProgressWatch, RestartBudget, UpdateGate
+from actors.engines.supervision import ProgressWatch, RestartBudget, UpdateGate, is_zombie
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +44,6 @@ _BUSY_LOG_EVERY_S = 30.0  # rate limit of each failed-probe warning (busy / no p
 # in a threaded actor. argv[1] is the launcher's expected parent pid: if that parent died
 # before prctl ran, the launcher exits instead of serving an orphan.
 _REAP_WAIT_S = 10.0  # a dying server's threads unwind before it can be reaped
-
-
-def _is_zombie(pid: int) -> bool:
-    """Whether /proc shows `pid` as exited (zombie or dead) but not yet reaped."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return False  # no /proc, or already gone: poll() is the authority
-    return stat[stat.rindex(b")") + 2:][:1] in (b"Z", b"X")
 
 
 _LAUNCHER = (
@@ -334,7 +325,7 @@ class SGLangEngine:
         server live-but-unresponsive and leave it for `cfg.unresponsive_s`.
         """
         code = self._proc.poll()
-        if code is not None or not _is_zombie(self._proc.pid):
+        if code is not None or not is_zombie(self._proc.pid):
             return code
         try:
             return self._proc.wait(timeout=_REAP_WAIT_S)

@@ -25,6 +25,25 @@ MIN_SAMPLE_S = 1.0
 RESTART_WINDOW_S = 3600.0  # RestartBudget counts restarts this far back
 
 
+def _stat_fields(pid: str | int) -> list[bytes] | None:
+    """Fields 3 onwards of /proc/<pid>/stat (state first); None if the process is gone.
+
+    The command name (field 2) may hold spaces and parentheses: split after its ')'.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            stat = file.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(b")") + 2:].split()
+
+
+def is_zombie(pid: int) -> bool:
+    """Whether /proc shows `pid` as exited (zombie or dead) but not yet reaped."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] in (b"Z", b"X")  # None: poll() is the authority
+
+
 def group_cpu_seconds(pgid: int) -> float | None:
     """User + system CPU seconds of the live processes in group `pgid`; None without /proc.
 
@@ -36,13 +55,9 @@ def group_cpu_seconds(pgid: int) -> float | None:
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as file:
-                stat = file.read()
-        except OSError:
+        fields = _stat_fields(name)
+        if fields is None:
             continue  # that process exited after listdir: it is in no group any more
-        # The command name (field 2) may hold spaces and parentheses: split after its ')'.
-        fields = stat[stat.rindex(b")") + 2:].split()
         if int(fields[2]) == pgid:
             ticks += int(fields[11]) + int(fields[12])
     return ticks / os.sysconf("SC_CLK_TCK")
