@@ -1,11 +1,13 @@
 """Long-lived rollout actor: C concurrent rounds on asyncio, forever, until stopped.
 
-Each slot loops: make a task, ask the version clock for admission (DESIGN §5), play a round
+Each slot loops: await admission from the version clock (DESIGN §5), take the next index of
+the train task stream every actor shares (so actors can be added and removed live), play a round
 (G joint episodes or one tree-sampled episode), report its rows to the round ledger (held by
 the clock, buffers/ledger.py), push them to the buffers of the models that produced them,
 then hand the coach requests to the coach pool (fire-and-forget; in the synchronous baseline
 they are awaited inline first). Rollout actors are stateless: a crash loses only in-flight
 rounds, and the ledger, not this actor, knows their rows, so they are counted with a reason.
+`drain` (a live scale-down) stops taking rounds and lets the in-flight ones finish.
 """
 from __future__ import annotations
 
@@ -27,12 +29,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RolloutConfig:
-    actors: int = 1  # rollout actors (R), scaled independently of learners
+    actors: int = 1  # rollout actors (R) at start, scaled independently of learners
+    max_actors: int = 8  # the most a live scale-up (ctl.py scale-rollout) may run
     concurrency: int = 4  # concurrent rounds per actor (C)
     temperature: float = 1.0  # sampling temperature (the learner applies the same to logits)
     top_p: float = 1.0  # nucleus sampling mass; 1.0 keeps behaviour logprobs exact
     sync_coach: bool = False  # await the coach inside the episode (synchronous baseline)
-    admission_poll_s: float = 0.02  # wait between refused admissions
+    admission_wait_s: float = 1.0  # longest single wait for admission before re-checking stop/drain
     max_consecutive_failures: int = 20  # failed rounds in a row before the actor gives up
     seed: int = 0  # task order seed (each actor plays its own shard of workflow.tasks)
 
@@ -40,6 +43,11 @@ class RolloutConfig:
         if self.actors < 1 or self.concurrency < 1:
             raise ValueError(f"rollout.actors={self.actors} and rollout.concurrency="
                              f"{self.concurrency} must both be >= 1")
+        if self.max_actors < self.actors:
+            raise ValueError(f"rollout.max_actors={self.max_actors} < rollout.actors="
+                             f"{self.actors}: raise rollout.max_actors")
+        if self.admission_wait_s <= 0:
+            raise ValueError(f"rollout.admission_wait_s={self.admission_wait_s}: must be > 0")
         if self.temperature <= 0:
             raise ValueError(f"rollout.temperature={self.temperature}: must be > 0 (sampling only)")
         if not 0 < self.top_p <= 1:
@@ -49,7 +57,8 @@ class RolloutConfig:
 class RolloutPorts(Protocol):
     """How a rollout actor reaches the rest of the system (runtime provides it)."""
 
-    async def admit(self, units: dict[str, int], round_id: str) -> bool: ...
+    async def admit(self, units: dict[str, int], round_id: str, timeout_s: float) -> bool: ...
+    async def next_task(self) -> int: ...
     async def generated(self, round_id: str, episodes: dict[str, dict[str, int]],
                         units: dict[str, int]) -> None: ...
     async def shipped(self, round_id: str) -> None: ...
@@ -67,7 +76,7 @@ class RolloutActor:
 
     def __init__(self, cfg: RolloutConfig, workflow_cfg: WorkflowConfig, run_id: str,
                  actor_index: int, routes: dict[str, ModelRoute], ports: RolloutPorts,
-                 readiness: dict[str, str], num_actors: int = 1) -> None:
+                 readiness: dict[str, str]) -> None:
         self.cfg = cfg
         self.workflow_cfg = workflow_cfg
         self.workflow = build_workflow(workflow_cfg)
@@ -78,12 +87,15 @@ class RolloutActor:
         self.readiness = readiness  # model_id -> "group" | "episode"
         self.agent_models = dict(workflow_cfg.agents)
         self.sampling = SamplingParams(cfg.temperature, cfg.top_p)
-        # this actor's shard of the train split (a task file, or the workflow's generator)
+        # the train split (a task file, or the workflow's generator), read at the indices the
+        # clock hands out: one stream shared by every actor, however many run
         self.tasks = TaskSource(workflow_cfg.tasks, workflow_cfg.tasks.train_split,
-                                generator=self.workflow.make_task, shard=actor_index,
-                                num_shards=num_actors, seed=cfg.seed)
+                                generator=self.workflow.make_task, seed=cfg.seed)
         self.tasks_exhausted = False
+        self.drained = False
         self._stopping = False
+        self._draining = False
+        self._cancel_reason = "run_stopped"  # loss reason of rounds a stop cancels
         self._workers: list[asyncio.Task] = []
         self._consecutive_failures = 0
         self.rounds = 0
@@ -115,21 +127,44 @@ class RolloutActor:
         await asyncio.gather(*self._workers, return_exceptions=True)
         return self.stats()
 
+    async def drain(self, timeout_s: float, reason: str = "scaled_down") -> dict:
+        """Take no new round; let in-flight rounds finish for up to `timeout_s`, then cancel
+        the rest (their rows are counted lost under `reason`). `run` returns afterwards."""
+        self._draining = True
+        _, running = await asyncio.wait(self._workers, timeout=timeout_s) if self._workers \
+            else (set(), set())
+        if running:
+            log.warning("rollout actor %d: %d round(s) still running after the %.0f s drain; "
+                        "cancelled (%s)", self.actor_index, len(running), timeout_s, reason)
+            self._cancel_reason = reason
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+        self.drained = True
+        return self.stats()
+
     async def _slot(self) -> None:
         units = units_per_round(self.workflow, self.agent_models, self.workflow_cfg.group_size,
                                 self.readiness)
-        while not self._stopping:
+        while not (self._stopping or self._draining):
+            round_id = new_id()
+            admitted = False
+            while not (self._stopping or self._draining):
+                if await self.ports.admit(units, round_id, self.cfg.admission_wait_s):
+                    admitted = True
+                    break
+                self.admission_waits += 1
+            if not admitted:
+                return
+            index = await self.ports.next_task()
             try:
-                task = self.tasks.next()
+                task = self.tasks.task_at(index)
             except TasksExhausted:
+                await self.ports.abandon(round_id, 0, "run_stopped")  # gives its units back
                 self.tasks_exhausted = True
                 log.info("rollout actor %d: every epoch of workflow.tasks is done; slot ends",
                          self.actor_index)
                 return
-            round_id = new_id()
-            while not await self.ports.admit(units, round_id):
-                self.admission_waits += 1
-                await asyncio.sleep(self.cfg.admission_poll_s)
             await self._play_round(task, round_id)
 
     def _episodes_for(self, task, round_id: str) -> list[Episode]:
@@ -148,7 +183,7 @@ class RolloutActor:
         try:
             results = await asyncio.gather(*(self.workflow.run(task, ep) for ep in episodes))
         except asyncio.CancelledError:
-            await self._abandon(round_id, episodes, "run_stopped")
+            await self._abandon(round_id, episodes, self._cancel_reason)
             raise
         except Exception as exc:  # counted: the round's rows are lost with a reason
             await self._abandon(round_id, episodes, "episode_error")
@@ -235,7 +270,8 @@ class RolloutActor:
         elapsed = max(time.time() - self.started_at, 1e-9)
         return {
             "actor": self.actor_index, "rounds": self.rounds,
-            "task_epoch": self.tasks.epoch, "tasks_exhausted": self.tasks_exhausted, "episodes": self.episodes,
+            "task_epoch": self.tasks.epoch, "tasks_exhausted": self.tasks_exhausted,
+            "drained": self.drained, "episodes": self.episodes,
             "episodes_per_s": self.episodes / elapsed, "rows_generated": self.rows_generated,
             "rows_added": self.rows_added, "rounds_failed": dict(self.rounds_failed),
             "last_error": self.last_error,

@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 _MAX_SKIPS_IN_A_ROW = 1000  # generated train tasks that all repeat eval prompts: give up
+_ALTERNATIVE_STRIDE = 2**40  # offset of the alternatives to a generated task that repeats an eval prompt
 _MAX_PREDICTION_CHARS = 2000  # only a prediction's tail is parsed (the answer is at its end)
 _MAX_NUMBER_BITS = 2**22  # comparing 3^(10^7) (16M bits) already takes seconds
 _MAX_EXPANSION_DEGREE = 256  # expanding (x+1)^1000 takes seconds
@@ -261,6 +262,7 @@ class TaskSource:
         self.epoch = 0
         self.skipped_overlap = 0
         self._position = 0  # next position in this shard's part of the epoch or stream
+        self._shared_epoch, self._shared_order = -1, []  # task_at's cached epoch order
         self._generator = None if cfg.path else generator
         if self._generator is None:
             self._tasks = self._file_tasks()
@@ -288,6 +290,41 @@ class TaskSource:
         task = self._tasks[self._order[self._position]]
         self._position += 1
         return task
+
+    def task_at(self, index: int) -> Task:
+        """Task `index` of the split's one stream that every rollout actor shares.
+
+        The version clock hands out the indices (one per admitted round), so however many
+        rollout actors run, or are added, removed and replaced during a run, no two play the
+        same task of an epoch and none is skipped; a resumed run continues the stream. With a
+        file, index i is position i % n of epoch i // n (n tasks); raises TasksExhausted
+        past the last of `cfg.epochs` (0: forever). With a generator, it is generated task
+        `index`; one whose prompt is an eval prompt is replaced by a deterministic
+        alternative (counted in `skipped_overlap`).
+        """
+        if index < 0:
+            raise ValueError(f"task index {index}: must be >= 0")
+        if self._generator is not None:
+            if not self.is_train:
+                raise TypeError("task_at serves the train stream; use all() for the eval set")
+            task = self._generate(index, train=True)
+            for retry in range(1, _MAX_SKIPS_IN_A_ROW + 1):
+                if _same_prompt_key(task.prompt) not in self._eval_prompts:
+                    return task
+                self.skipped_overlap += 1
+                # far beyond any index a run reaches: never another slot's task
+                task = self._generate(index + retry * _ALTERNATIVE_STRIDE, train=True)
+            raise ValueError(f"{_MAX_SKIPS_IN_A_ROW} generated train tasks in a row repeat eval "
+                             "prompts; set workflow.tasks.eval_size lower (or 0)")
+        epoch, position = divmod(index, len(self._tasks))
+        epochs = self.cfg.epochs if self.is_train else 1
+        if epochs and epoch >= epochs:
+            raise TasksExhausted(f"split {self.split!r}: all {epochs} epoch(s) of "
+                                 f"{len(self._tasks)} tasks served")
+        if epoch != self._shared_epoch:
+            self._shared_epoch, self._shared_order = epoch, self._full_order(epoch)
+        self.epoch = epoch
+        return self._tasks[self._shared_order[position]]
 
     def __iter__(self) -> TaskSource:
         return self
@@ -336,11 +373,15 @@ class TaskSource:
 
     def _epoch_order(self) -> list[int]:
         """This shard's positions of the epoch: every num_shards-th of one shared order."""
+        return self._full_order(self.epoch)[self.shard::self.num_shards]
+
+    def _full_order(self, epoch: int) -> list[int]:
+        """Every task position of `epoch`, shuffled by (seed, epoch) when cfg.shuffle."""
         order = list(range(len(self._tasks)))
         if self.is_train and self.cfg.shuffle:
             # a str seed is hashed with SHA-512: the same order in every process
-            random.Random(f"{self.seed}:{self.epoch}").shuffle(order)
-        return order[self.shard::self.num_shards]
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)
+        return order
 
     # -------------------------------------------------------------------- generators
 

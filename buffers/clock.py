@@ -6,10 +6,17 @@ produce units for, `issued_units_m < (v_m + max_staleness_m + 1) * batch_units_m
 rule: no more data is in flight than the learner can consume before that data would exceed
 the staleness bound. Units that are dropped instead of trained give their budget back.
 
-A plain class: `runtime/` wraps it as an actor shared by every rollout actor.
+The clock is the one source of truth for η (`max_staleness`) per model: rollouts are admitted
+against it and learners read it before every sample, so a live change (control bus, DESIGN §9)
+takes effect at the next admission and the next sampling. It also holds the run's pause.
+
+A plain class: `runtime/` wraps it as an actor shared by every rollout actor. Rollout slots
+await `wait_admit`, which wakes when something that can open admission changes (a new version,
+released units, a larger η, a resume) instead of polling.
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import asdict, dataclass
 
 from buffers.ledger import LedgerStats, RoundLedger
@@ -46,6 +53,9 @@ class VersionClock:
         self._models: dict[str, ModelClock] = {}
         self.ledger = RoundLedger()
         self._released_surplus: dict[str, int] = {}  # model_id -> units rounds did not produce
+        self.paused = False  # a paused run admits nothing; rounds in flight finish
+        self.task_cursor = 0  # next index of the train task stream all rollout actors share
+        self._changed: asyncio.Event | None = None  # created by the first waiter, in its loop
         for model_id, (batch_units, max_staleness) in models.items():
             if batch_units < 1:
                 raise ValueError(f"model {model_id!r}: batch_units={batch_units} must be >= 1")
@@ -63,13 +73,54 @@ class VersionClock:
         for model_id, n in units.items():
             if n < 0:
                 raise ValueError(f"model {model_id!r}: units={n} must be >= 0")
-        if any(clock.issued_units >= clock.limit for clock, _ in clocks):
+        if self.paused or any(clock.issued_units >= clock.limit for clock, _ in clocks):
             return False
         if round_id is not None:
             self.ledger.open(round_id, owner, units)
         for clock, n in clocks:
             clock.issued_units += n
         return True
+
+    async def wait_admit(self, units: dict[str, int], owner: str = "",
+                         round_id: str | None = None, timeout_s: float = 1.0) -> bool:
+        """`try_admit`, waiting up to `timeout_s` for a change that can open admission.
+
+        Returns False on timeout, so a caller can look at its own state (stop, drain) between
+        waits; the wait itself costs no calls.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.try_admit(units, owner, round_id):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                return False
+        return True
+
+    def next_task_index(self) -> int:
+        """The next task of the shared train stream (actors/tasks.py `TaskSource.task_at`)."""
+        index = self.task_cursor
+        self.task_cursor += 1
+        return index
+
+    def _wake(self) -> None:
+        """Admission may have opened: wake every waiter (each re-checks; losers wait again)."""
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None  # later waiters get a fresh event
+
+    def pause(self) -> None:
+        """Admit nothing until `resume`; rounds already admitted finish."""
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+        self._wake()
 
     def generated(self, round_id: str, episodes: dict[str, dict[str, int]],
                   units: dict[str, int] | None = None) -> None:
@@ -138,6 +189,7 @@ class VersionClock:
         if version < clock.version:
             raise ValueError(f"model {model_id!r}: version {version} < current {clock.version}; versions only grow")
         clock.version = version
+        self._wake()
 
     def release(self, model_id: str, units: int) -> None:
         """Give back the budget of `units` dropped units (they will never be trained)."""
@@ -145,11 +197,38 @@ class VersionClock:
         if units < 0 or units > clock.issued_units:
             raise ValueError(f"model {model_id!r}: cannot release {units} units, {clock.issued_units} issued")
         clock.issued_units -= units
+        self._wake()
 
     def set_max_staleness(self, model_id: str, eta: int) -> None:
         """Change eta live; admission follows the new bound from the next call."""
         _check_eta(model_id, eta)
         self._get(model_id).max_staleness = eta
+        self._wake()
+
+    def max_staleness(self, model_id: str) -> int:
+        """η of `model_id` now: learners sample under it (the only copy of the live value)."""
+        return self._get(model_id).max_staleness
+
+    def state(self) -> dict:
+        """What a checkpoint keeps: per model version, η and issued units; the ledger's counts."""
+        return {"models": {m: asdict(c) for m, c in self._models.items()},
+                "ledger": asdict(self.ledger.stats()), "paused": self.paused,
+                "task_cursor": self.task_cursor,
+                "released_surplus": dict(self._released_surplus)}
+
+    def restore(self, versions: dict[str, int], etas: dict[str, int],
+                issued_units: dict[str, int], ledger: dict, task_cursor: int) -> None:
+        """Resume (runtime/resume.py): versions from the learners' checkpoints, η as it was,
+        issued units re-derived from what the recovered buffers hold, ledger counters carried
+        on so the run's row identity spans the resume. No round is open after a restore."""
+        for model_id, clock in self._models.items():
+            clock.version = versions[model_id]
+            _check_eta(model_id, etas[model_id])
+            clock.max_staleness = etas[model_id]
+            clock.issued_units = issued_units[model_id]
+        self.ledger.restore_counts(ledger)
+        self.task_cursor = task_cursor
+        self._wake()
 
     def snapshot(self) -> dict:
         """Plain data for metrics and status: model_id -> clock fields plus the current limit."""

@@ -23,7 +23,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-LOSS_REASONS = ("episode_error", "run_stopped", "actor_crashed")
+# scaled_down: a round still running when a removed rollout actor's drain time ran out
+LOSS_REASONS = ("episode_error", "run_stopped", "actor_crashed", "scaled_down")
 
 
 @dataclass
@@ -105,6 +106,16 @@ class RoundLedger:
         for round_id in taken:
             del self._open[round_id]
         return taken
+
+    def restore_counts(self, stats: dict) -> None:
+        """Carry a checkpointed run's counters on (its open rounds died with it: not restored)."""
+        if self._open:
+            raise ValueError(f"restore_counts with {len(self._open)} open rounds: restore first")
+        self._generated = int(stats["generated"])
+        self._lost = Counter({reason: 0 for reason in LOSS_REASONS})
+        self._lost.update({reason: int(n) for reason, n in stats["lost"].items()})
+        self._closed = int(stats["closed_rounds"])
+        self._abandoned = int(stats["abandoned_rounds"])
 
     def stats(self) -> LedgerStats:
         return LedgerStats(self._generated, dict(self._lost), len(self._open), self._closed,

@@ -28,7 +28,7 @@ class Status(enum.IntEnum):
 
 # Reasons a row leaves the buffer without being trained. Counters are keyed by these names.
 DROP_REASONS = ("stale", "incomplete", "failed", "timeout", "capacity", "run_stopped",
-                "actor_crashed")
+                "actor_crashed", "scaled_down")
 
 _dict_str = pa.dictionary(pa.int32(), pa.string())
 

@@ -528,7 +528,10 @@ class ControlListener:
         except Exception as exc:  # counted and reported on events/error: a handler bug must
             # not take the bus down with it, and the sender still gets its one answer
             self.handler_failures += 1
-            log.exception("bus: handler failed on %s", topic)
+            if isinstance(exc, ValueError):  # the run refused it (the reason goes back)
+                log.warning("bus: %s refused: %s", topic, exc)
+            else:
+                log.exception("bus: handler failed on %s", topic)
             await self._publish(client, "error", Rejection(
                 topic, f"handler raised {type(exc).__name__}: {exc}", _excerpt(payload), digest))
             return

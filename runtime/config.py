@@ -20,6 +20,7 @@ from actors.rollout import RolloutConfig
 from actors.workflows import WorkflowConfig, build_workflow, workflow_names
 from buffers.replay import BufferConfig
 from learners.config import LearnerConfig
+from runtime.bus import BusConfig
 
 
 class ConfigError(ValueError):
@@ -55,7 +56,13 @@ class RunConfig:
     learner_cpus: float = 0.5  # Ray CPUs reserved per learner actor
     rollout_cpus: float = 0.25  # Ray CPUs reserved per rollout actor
     keep_weights: int = 3  # published weight versions kept on disk per model
-    max_actor_restarts: int = 3  # restarts of a failed rollout actor before the run stops
+    # restarts of failed rollout actors allowed in any 60-minute window; one more stops the run
+    actor_restarts_per_hour: int = 6
+    checkpoint_every: int = 10  # learner steps between checkpoints (checkpoints/<model>/); 0 = off
+    keep_checkpoints: int = 2  # checkpoints kept per model (older ones are deleted)
+    # seconds a scaled-down rollout actor may take to finish its in-flight rounds; rounds still
+    # running then are cancelled and their rows counted lost as "scaled_down"
+    drain_timeout_s: float = 120.0
     seed: int = 0  # added to the task stream's, the learners' and the engines' seeds
 
     def __post_init__(self) -> None:
@@ -67,6 +74,17 @@ class RunConfig:
         if self.keep_weights < 1:
             raise ConfigError(f"run.keep_weights={self.keep_weights}: must be >= 1 "
                               "(engines load the newest version from disk)")
+        if self.actor_restarts_per_hour < 0:
+            raise ConfigError(f"run.actor_restarts_per_hour={self.actor_restarts_per_hour}: "
+                              "must be >= 0 (0: the first rollout actor failure stops the run)")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"run.checkpoint_every={self.checkpoint_every}: use steps >= 0 "
+                              "(0 turns periodic checkpoints off)")
+        if self.keep_checkpoints < 1:
+            raise ConfigError(f"run.keep_checkpoints={self.keep_checkpoints}: must be >= 1 "
+                              "(a resume needs the newest one)")
+        if self.drain_timeout_s < 0:
+            raise ConfigError(f"run.drain_timeout_s={self.drain_timeout_s}: use seconds >= 0")
 
 
 @dataclass
@@ -76,6 +94,7 @@ class TroupeConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # rollout actors, sampling
     coach: CoachConfig = field(default_factory=CoachConfig)  # the per-action scorer
     models: dict[str, ModelConfig] = field(default_factory=dict)  # model id -> its parts
+    bus: BusConfig = field(default_factory=BusConfig)  # the MQTT control bus (DESIGN §9)
 
     def __post_init__(self) -> None:
         if not self.models:

@@ -1,10 +1,12 @@
 """The controller: creates and wires every actor, supervises them, stops the run.
 
-It is the only place that calls `ray.remote` (STYLE §1). Order: dtype → run directory → Ray →
-metrics → engines (wait for health) → buffers, clock, coach pool → learners → rollout actors.
-It then watches: a learner failure or a coach programming error stops the run with its cause;
-a failed rollout actor is replaced (it is stateless) up to `run.max_actor_restarts`, its open
-rounds reconciled with the ledger; engines are probed and restarted when dead (slow is not
+It is the only place that calls `ray.remote` (STYLE §1). Order: dtype → run directory → control
+bus (runtime/bus_service.py) → Ray → metrics → engines (wait for health) → buffers, clock,
+coach pool → learners → rollout actors. It then watches: a learner failure or a coach
+programming error stops the run with its cause; a failed rollout actor is replaced (it is
+stateless) within `run.actor_restarts_per_hour`, its open rounds reconciled with the ledger;
+commands from the bus are applied between supervision rounds (runtime/control.py), and every
+learner step, version and status goes out as an event; engines are probed and restarted when dead (slow is not
 dead: actors/engines/sglang.py); no learner step for `run.stall_timeout_s` stops the run
 naming the stuck stage (runtime/stall.py). When every learner reached `run.max_steps` it
 stops the rollouts, drains the buffers and writes `summary.json` with the row accounting:
@@ -18,6 +20,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import asdict
 from pathlib import Path
 
@@ -27,8 +30,11 @@ from actors.coach import CoachPool, build_coach
 from actors.engines.sglang import SGLangEngine
 from actors.workflows import build_workflow
 from buffers.clock import VersionClock
-from buffers.replay import ReplayBuffer
+from runtime.accounting import _add_counts, close_books, row_accounting
+from runtime.buffer_actor import BufferActor
+from runtime.bus_service import BusService
 from runtime.config import TroupeConfig, to_yaml
+from runtime.control import RunControl
 from runtime.dtype import resolve_dtype
 from runtime.learner_worker import LearnerWorker
 from runtime.metrics import MetricsWriter
@@ -76,7 +82,12 @@ class Run:
         self.rollouts: dict[int, object] = {}
         self.rollout_refs: dict = {}
         self.exhausted: set[int] = set()  # rollout actors that played every epoch of their tasks
+        self.draining: dict[int, float] = {}  # scaled-down actors finishing their rounds -> since
+        self.retired_episodes = 0  # episodes played by actors removed by a scale-down
         self.restarts = 0
+        self.restart_times: deque[float] = deque()  # failures within the last hour (the budget)
+        self.state = "starting"  # starting | running | stopping | finished | failed (events/status)
+        self.bus: BusService | None = None
         self.status_ticks = 0  # supervision rounds (the step of coach score histograms)
         self.owners: dict[int, str] = {}
         self.crashed_units: dict[str, int] = {}  # admitted units lost with crashed actors
@@ -84,6 +95,11 @@ class Run:
 
     def start(self) -> None:
         cfg = self.cfg
+        # the bus first: `ctl.py status` answers while engines start
+        self.bus = BusService(cfg.bus, self.run_dir, self.run_id)
+        self.bus.start()
+        self.control = RunControl(self, self.bus)
+        self.control.publish_status()
         init_ray(cfg)
         self.metrics = ray.remote(MetricsWriter).options(num_cpus=0).remote(
             str(self.run_dir / "tensorboard"))
@@ -100,7 +116,7 @@ class Run:
         log.info("starting %d engine server(s)…", sum(map(len, self.engines.values())))
         urls = {m: ray.get([e.start.remote() for e in es]) for m, es in self.engines.items()}
         log.info("engines ready: %s", urls)
-        self.buffers = {m: ray.remote(ReplayBuffer).options(num_cpus=0).remote(m, mc.buffer)
+        self.buffers = {m: ray.remote(BufferActor).options(num_cpus=0).remote(m, mc.buffer)
                         for m, mc in cfg.models.items()}
         self.clock = ray.remote(VersionClock).options(num_cpus=0).remote(
             {m: (mc.learner.batch_units, mc.learner.max_staleness)
@@ -120,35 +136,51 @@ class Run:
                 num_cpus=cfg.run.learner_cpus, num_gpus=gpus, max_concurrency=8).remote(
                 model_id, mc.learner, self.model_paths[model_id], str(self.run_dir),
                 self.buffers[model_id], self.clock, self.engines[model_id], self.metrics,
-                cfg.run.keep_weights, pad_id)
+                cfg.run.keep_weights, pad_id, cfg.run.checkpoint_every, cfg.run.keep_checkpoints)
         self.urls = urls
         self.ports = RayRolloutPorts(self.clock, self.buffers, self.coach, self.metrics)
         self.readiness = {m: mc.buffer.readiness for m, mc in cfg.models.items()}
         for i in range(cfg.rollout.actors):
-            self._spawn_rollout(i)
+            self.spawn_rollout(i)
         self.learner_refs = {w.run.remote(cfg.run.max_steps): m
                              for m, w in self.learners.items()}
         self.started_at = time.time()
+        self.state = "running"
 
-    def _spawn_rollout(self, index: int) -> None:
+    def spawn_rollout(self, index: int) -> None:
         cfg = self.cfg
-        owner = f"rollout-{index}-{self.restarts}"
+        self.spawned = getattr(self, "spawned", 0) + 1
+        owner = f"rollout-{index}-{self.spawned}"  # unique per actor ever started
         actor = ray.remote(RolloutHost).options(
             num_cpus=cfg.run.rollout_cpus, max_concurrency=1000).remote(
             cfg.rollout, cfg.workflow, self.run_id, index, self.urls, self.model_paths,
-            self.ports, self.readiness, owner, self.cfg.rollout.actors)
+            self.ports, self.readiness, owner)
         self.rollouts[index] = actor
         self.owners[index] = owner
         self.rollout_refs[actor.run.remote()] = index
 
+    def restarts_last_hour(self) -> int:
+        while self.restart_times and time.time() - self.restart_times[0] > 3600:
+            self.restart_times.popleft()
+        return len(self.restart_times)
+
     def wait(self) -> None:
         """Supervise until every learner is done; raises the cause of a fatal failure."""
+        try:
+            self._supervise()
+        except BaseException as exc:
+            self.state = "failed"
+            self.control.publish_error("run_failed", f"{type(exc).__name__}: {exc}")
+            self.control.publish_status()
+            raise
+
+    def _supervise(self) -> None:
         pending_learners = dict(self.learner_refs)
         last_status = 0.0
         self.stall_base = self._snapshot()
         while pending_learners:
             refs = list(pending_learners) + list(self.rollout_refs)
-            done, _ = ray.wait(refs, num_returns=1, timeout=2.0)
+            done, _ = ray.wait(refs, num_returns=1, timeout=0.25)
             for ref in done:
                 if ref in pending_learners:
                     model_id = pending_learners.pop(ref)
@@ -156,6 +188,15 @@ class Run:
                     log.info("learner %s finished: v%d", model_id, summary["version"])
                 else:
                     self._on_rollout_exit(ref)
+            self.control.apply_pending()
+            self.control.publish_steps()
+            if self.control.stop_reason is not None:
+                log.warning("stopping: %s (learners checkpoint first)", self.control.stop_reason)
+                self.state = "stopping"
+                for w in self.learners.values():
+                    w.stop.remote(checkpoint=True)
+                ray.get(list(pending_learners))
+                break
             if self.exhausted and not self.rollout_refs:
                 log.warning("every rollout actor played all workflow.tasks.epochs=%d: stopping "
                             "the learners (rows not yet trained are counted as run_stopped)",
@@ -177,23 +218,46 @@ class Run:
 
     def _on_rollout_exit(self, ref) -> None:
         index = self.rollout_refs.pop(ref)
+        if index in self.draining:
+            self._retire(index, ref)
+            return
         try:
             stats = ray.get(ref)
         except ray.exceptions.RayError as exc:
+            budget = self.cfg.run.actor_restarts_per_hour
+            recent = self.restarts_last_hour()
+            log.error("rollout actor %d failed (%d restarts in the last hour, budget %d): %s",
+                      index, recent, budget, exc)
+            self.control.publish_error("rollout_actor_failed", f"rollout actor {index}: {exc}")
+            if recent >= budget:
+                raise RuntimeError(f"rollout actor {index} failed and {recent} restarts in the "
+                                   f"last hour used run.actor_restarts_per_hour={budget}") from exc
             self.restarts += 1
-            log.error("rollout actor %d failed (%d/%d restarts): %s", index, self.restarts,
-                      self.cfg.run.max_actor_restarts, exc)
-            if self.restarts > self.cfg.run.max_actor_restarts:
-                raise RuntimeError(f"rollout actor {index} kept failing") from exc
+            self.restart_times.append(time.time())
             ray.kill(self.rollouts[index])
             self._close_books(self.owners[index], "actor_crashed")
-            self._spawn_rollout(index)
+            self.spawn_rollout(index)
             return
         if not stats.get("tasks_exhausted"):
             raise RuntimeError(f"rollout actor {index} returned before stop: {stats}")
         log.info("rollout actor %d played every epoch of its tasks (%d rounds)", index,
                  stats["rounds"])
         self.exhausted.add(index)
+
+    def _retire(self, index: int, ref) -> None:
+        """A scaled-down actor finished draining: settle its rounds, end the actor."""
+        since = self.draining.pop(index)
+        actor = self.rollouts.pop(index)
+        try:
+            stats = ray.get(ref)
+            self.retired_episodes += stats["episodes"]
+            reason = "scaled_down"
+        except ray.exceptions.RayError as exc:  # it died while draining: settled as a crash
+            log.error("rollout actor %d failed while draining: %s", index, exc)
+            reason = "actor_crashed"
+        ray.kill(actor)
+        self._close_books(self.owners.pop(index), reason)
+        log.info("rollout actor %d removed after %.1f s of draining", index, time.time() - since)
 
     def _close_books(self, owner: str | None, reason: str) -> None:
         freed = close_books(self.clock, self.buffers, self.readiness, owner, reason)
@@ -206,15 +270,19 @@ class Run:
             ray.get([e.ensure_alive.remote() for e in es])
         now = self._snapshot(coach=self._coach_metrics())
         elapsed = max(time.time() - self.started_at, 1e-9)
+        episodes = self.retired_episodes + sum(s["episodes"] for s in now.rollouts)
+        rate = self.control.episodes_per_s(episodes, now.at)
         scalars = {
-            "perf/episodes_per_s": sum(s["episodes"] for s in now.rollouts) / elapsed,
-            "perf/rollout_actors": float(len(now.rollouts)),
+            "perf/episodes_per_s": episodes / elapsed,
+            "perf/episodes_per_s_last_min": rate,
+            "perf/rollout_actors": float(len(self.rollouts) - len(self.draining)),
             "perf/admission_waits": float(sum(s["admission_waits"] for s in now.rollouts)),
         }
         for name, stats in now.engines.items():
             for key in ("restarts", "busy_probes", "last_progress_age_s"):
                 scalars[f"perf/engines/{name}/{key}"] = float(stats[key])
         self.metrics.scalars.remote(scalars)
+        self.control.publish_status(now, rate)
         return now
 
     def _snapshot(self, coach: dict | None = None) -> Snapshot:
@@ -251,7 +319,7 @@ class Run:
         timeout = self.cfg.run.stall_timeout_s
         if not timeout:
             return
-        if now.versions() != self.stall_base.versions():
+        if now.versions() != self.stall_base.versions() or self.control.paused:
             self.stall_base = now
             return
         if now.at - self.stall_base.at < timeout:
@@ -273,6 +341,7 @@ class Run:
 
     def finish(self) -> dict:
         """Stop rollouts, drain buffers, account for every row; returns the summary."""
+        self.state = "stopping"
         rollout_stats = ray.get([r.stop.remote() for r in self.rollouts.values()])
         self._close_books(None, "run_stopped")  # rounds cut off while shipping
         learner = {m: ray.get(w.summary.remote()) for m, w in self.learners.items()}
@@ -285,6 +354,9 @@ class Run:
             "wall_s": time.time() - self.started_at, "learners": learner,
             "rollouts": rollout_stats, "buffers": buffers, "drained": drained,
             "coach": self._coach_metrics(), "actor_restarts": self.restarts,
+            "control": {"commands": self.control.commands, "refused": self.control.refused,
+                        "scaling": self.control.scaling, "stop_reason": self.control.stop_reason,
+                        "bus": self.bus.stats() if self.bus else {}},
             "engines": engines,
             "engine_restarts": sum(e["restarts"] for e in engines.values()),
             "dtypes": {m: {"engine": mc.engine.dtype, "learner": mc.learner.dtype}
@@ -296,6 +368,9 @@ class Run:
             "tensorboard_keys": ray.get(self.metrics.close.remote()),
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        self.state = "finished"
+        self.control.publish_steps(force=True)  # steps of the last second before the stop
+        self.control.publish_status()
         return summary
 
     def shutdown(self) -> None:
@@ -314,68 +389,8 @@ class Run:
                    if hasattr(self, name)]
         for actor in actors:
             ray.kill(actor)
-
-
-def close_books(clock, buffers: dict, readiness: dict[str, str], owner: str | None,
-                reason: str) -> dict[str, int]:
-    """Settle the open rounds of a dead owner (every owner when None) with the ledger.
-
-    Rounds that made no rows yet give their units back at the clock. Rounds whose rows the
-    ledger knows are compared with what every buffer received from each of their episodes:
-    the missing rows are counted lost under `reason`; the received ones are dropped under it
-    (their coach requests may never have left, so they could only time out), and those drops
-    return their units through the buffer (`take_dropped_units`). Units of a model none of
-    whose rows arrived are given back here. So no unit is released twice, and none leaks.
-
-    Returns the units given back for rounds that made no rows (model_id -> units).
-    """
-    freed, rounds = ray.get(clock.take_owner.remote(owner))
-    for round_id, entry in rounds.items():
-        lost, release = 0, {}
-        for model_id, units in entry.units.items():
-            episodes = {e: rows[model_id] for e, rows in entry.episodes.items()
-                        if rows.get(model_id)}
-            received = ray.get(buffers[model_id].received_rows.remote(list(episodes)))
-            lost += sum(n - received[e] for e, n in episodes.items())
-            arrived = [e for e in episodes if received[e]]
-            ray.get([buffers[model_id].drop_episode.remote(e, reason) for e in arrived])
-            if readiness[model_id] == "episode":
-                release[model_id] = units - len(arrived)  # one unit per episode that never came
-            elif not arrived:
-                release[model_id] = units  # no group of this round was ever created
-        ray.get(clock.count_lost.remote(lost, reason))
-        for model_id, units in release.items():
-            if units > 0:
-                ray.get(clock.release.remote(model_id, units))
-        log.warning("round %s of %s settled (%s): %d of %d rows never reached a buffer",
-                    round_id, entry.owner, reason, lost, entry.rows)
-    return freed
-
-
-def row_accounting(ledger: dict, buffers: dict[str, dict]) -> dict:
-    """The run's row identity: ledger generated == trained + dropped (buffers) + lost (ledger).
-
-    The ledger counted every row before it was shipped; the buffers count what they trained
-    and dropped. No term is derived from another, so `unaccounted` is nonzero whenever a row
-    went missing between a rollout and a buffer without a counted reason.
-    """
-    trained = sum(b["rows_trained"] for b in buffers.values())
-    dropped = _add_counts(b["dropped"] for b in buffers.values())
-    lost = dict(ledger["lost"])
-    accounted = trained + sum(dropped.values()) + sum(lost.values())
-    return {"generated": ledger["generated"],
-            "buffered": sum(b["rows_added"] for b in buffers.values()),
-            "trained": trained, "dropped": dropped, "lost": lost,
-            "unaccounted": ledger["generated"] - accounted}
-
-
-def _add_counts(counts) -> dict[str, int]:
-    """Sum count dicts key by key, keeping zero entries (every reason stays listed)."""
-    total: dict[str, int] = {}
-    for one in counts:
-        for key, n in one.items():
-            total[key] = total.get(key, 0) + n
-    return total
+        if self.bus is not None:
+            self.bus.stop()
 
 
 def resolve_dtypes(cfg: TroupeConfig) -> None:

@@ -1,18 +1,22 @@
 """The learner actor of one model: pull ready units, train, publish, bump the version.
 
-Each step: sample the oldest ready units under the staleness bound (DESIGN §5), compute
-advantages (§6), run the backend's `train_step` (proximal logprobs + decoupled PPO with the
-behaviour correction), publish HF safetensors for version v+1, have every engine of the model
-load them, and tell the clock. Blocking compute runs in a worker thread so the actor keeps
-answering (stats, staleness changes) while it trains.
+Each step: read η from the clock (its one live copy, DESIGN §5), await the oldest ready units
+under that bound from the buffer (no polling: `BufferActor.sample_wait`), compute advantages
+(§6), run the backend's `train_step` (proximal logprobs + decoupled PPO with the behaviour
+correction), publish HF safetensors for version v+1, have every engine of the model load them,
+and tell the clock. Every `checkpoint_every` steps (or on request) the learner's state goes to
+`checkpoints/<model>/v<N>/` with the clock's counters (DESIGN §10); `restore` resumes from one.
+Blocking compute runs in a worker thread so the actor keeps answering while it trains.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import shutil
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +32,8 @@ class LearnerWorker:
     """Drives one model's learner; `runtime.controller` wraps it as a Ray actor."""
 
     def __init__(self, model_id: str, cfg: LearnerConfig, model_path: str, run_dir: str,
-                 buffer, clock, engines: list, metrics, keep_weights: int, pad_id: int) -> None:
+                 buffer, clock, engines: list, metrics, keep_weights: int, pad_id: int,
+                 checkpoint_every: int = 0, keep_checkpoints: int = 2) -> None:
         self.model_id = model_id
         self.cfg = cfg
         self.buffer = buffer
@@ -38,12 +43,17 @@ class LearnerWorker:
         self.keep_weights = keep_weights
         self.pad_id = pad_id
         self.weights_dir = Path(run_dir) / "weights" / model_id
+        self.checkpoints_dir = Path(run_dir) / "checkpoints" / model_id
+        self.checkpoint_every = checkpoint_every
+        self.keep_checkpoints = keep_checkpoints
+        self._checkpoint_requested = False
+        self.checkpoints: list[dict] = []  # (version, seconds, path) of checkpoints written
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # the per-step progress line says what matters
         self.learner = build_learner(cfg, model_id, model_path, str(self.weights_dir))
-        self.max_staleness = cfg.max_staleness
+        self.max_staleness = cfg.max_staleness  # the clock's value at the last sample (logged)
         self.version = 0
         self.rows_trained = 0
         self.busy_s = 0.0
@@ -51,16 +61,18 @@ class LearnerWorker:
         self.started_at = time.time()
         self.last_weights: str | None = None
         self.history: list[tuple[float, int, float]] = []  # (step end time, rows, busy s)
+        self.steps: deque[dict] = deque(maxlen=256)  # recent step records (events/step)
         self._stop = False
         self._step_started: float | None = None  # wall time the running step began
 
-    def set_max_staleness(self, eta: int) -> None:
-        if eta < 0:
-            raise ValueError(f"max_staleness={eta}: must be >= 0")
-        self.max_staleness = eta
-
-    def stop(self) -> None:
+    def stop(self, checkpoint: bool = False) -> None:
+        """End `run` after the step in progress; with `checkpoint`, write one first."""
         self._stop = True
+        self._checkpoint_requested = self._checkpoint_requested or checkpoint
+
+    def request_checkpoint(self) -> None:
+        """Checkpoint after the step in progress (or the next one when idle)."""
+        self._checkpoint_requested = True
 
     async def run(self, max_steps: int) -> dict:
         """Train until `max_steps` learner steps (or `stop`); returns the summary."""
@@ -70,21 +82,85 @@ class LearnerWorker:
             if batch is None:
                 break
             await self._step(batch)
+            due = self.checkpoint_every and self.version % self.checkpoint_every == 0
+            if due or self._checkpoint_requested or self.version == max_steps:
+                await self.checkpoint()
+        if self._checkpoint_requested:  # a stop with checkpoint arrived between steps
+            await self.checkpoint()
         return self.summary()
 
     async def _next_batch(self):
         waited = time.perf_counter()
         while not self._stop:
-            batch = await self.buffer.sample.remote(self.cfg.batch_units, self.version,
-                                                    self.max_staleness)
+            if self._checkpoint_requested:
+                await self.checkpoint()
+                continue  # a stop may have come in meanwhile
+            # η is read from the clock each time: a live change applies to this sampling
+            self.max_staleness = await self.clock.max_staleness.remote(self.model_id)
+            batch = await self.buffer.sample_wait.remote(self.cfg.batch_units, self.version,
+                                                         self.max_staleness, 1.0)
             dropped_units = await self.buffer.take_dropped_units.remote()
             if dropped_units:
                 await self.clock.release.remote(self.model_id, dropped_units)
             if batch is not None:
                 self.wait_s += time.perf_counter() - waited
                 return batch
-            await asyncio.sleep(0.02)
         return None
+
+    async def checkpoint(self) -> str:
+        """Write `checkpoints/<model>/v<version>/` (learner state + clock counters), atomically.
+
+        The folder is built under a temporary name and renamed when complete, and
+        `checkpoint.json` is written last inside it, so a crash mid-save leaves the previous
+        checkpoint the newest complete one. Older checkpoints beyond `keep_checkpoints` go.
+        """
+        self._checkpoint_requested = False
+        started = time.perf_counter()
+        final = self.checkpoints_dir / f"v{self.version}"
+        tmp = self.checkpoints_dir / f".v{self.version}.partial"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        await asyncio.to_thread(self.learner.save, str(tmp / "learner"))
+        clock = await self.clock.state.remote()
+        meta = {"model_id": self.model_id, "version": self.version,
+                "rows_trained": self.rows_trained, "busy_s": self.busy_s,
+                "wait_s": self.wait_s, "written_at": time.time(), "clock": clock}
+        (tmp / "checkpoint.json").write_text(json.dumps(meta, indent=2))
+        if final.exists():  # the same version again (a requested checkpoint at a due step)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        seconds = time.perf_counter() - started
+        self.checkpoints.append({"version": self.version, "seconds": seconds,
+                                 "path": str(final)})
+        self.metrics.scalars.remote({f"perf/{self.model_id}/checkpoint_s": seconds},
+                                    self.version)
+        log.info("[%s] checkpoint v%d written in %.1f s: %s", self.model_id, self.version,
+                 seconds, final)
+        for old in sorted(complete_checkpoints(self.checkpoints_dir))[:-self.keep_checkpoints]:
+            shutil.rmtree(self.checkpoints_dir / f"v{old}")
+        return str(final)
+
+    async def restore(self, path: str) -> dict:
+        """Resume from a checkpoint folder written by `checkpoint`; engines get its weights.
+
+        Returns the checkpoint's metadata (the controller restores the clock from it).
+        """
+        meta = json.loads((Path(path) / "checkpoint.json").read_text())
+        if meta["model_id"] != self.model_id:
+            raise ValueError(f"checkpoint {path} belongs to model {meta['model_id']!r}, not "
+                             f"{self.model_id!r}")
+        await asyncio.to_thread(self.learner.load, str(Path(path) / "learner"))
+        self.version = int(meta["version"])
+        self.rows_trained = int(meta["rows_trained"])
+        self.busy_s, self.wait_s = float(meta["busy_s"]), float(meta["wait_s"])
+        # engines restart from the base weights: they must serve the checkpoint's version
+        ref = await asyncio.to_thread(self.learner.publish_weights, self.version)
+        await asyncio.gather(*(e.update_weights_from_disk.remote(ref.path, self.version)
+                               for e in self.engines))
+        self.last_weights = ref.path
+        log.info("[%s] restored v%d from %s", self.model_id, self.version, path)
+        return meta
 
     async def _step(self, batch) -> None:
         start = time.perf_counter()
@@ -152,6 +228,12 @@ class LearnerWorker:
             **{f"buffer/{m}/dropped_{k}": float(n) for k, n in stats.dropped.items()},
         })
         self.metrics.scalars.remote(scalars, v)
+        self.steps.append({
+            "model": m, "version": v, "loss": round(float(train.get("loss", float("nan"))), 5),
+            "rows": table.num_rows, "staleness_mean": round(float(staleness.mean()), 3),
+            "staleness_max": int(staleness.max()), "max_staleness": self.max_staleness,
+            "step_s": round(step_s, 3), "at": time.time(),
+            **{f"reward/{a}": round(float(np.mean(x)), 4) for a, x in sorted(per_agent.items())}})
         self.metrics.histogram.remote(f"staleness/{m}/histogram", staleness.tolist(), v)
         reward_text = " ".join(f"{a}={np.mean(x):.3f}" for a, x in sorted(per_agent.items()))
         log.info("[%s] step %d | loss %.4f | %s | stale mean %.2f | clip %.3f | w %.3f | "
@@ -172,9 +254,22 @@ class LearnerWorker:
         return {"version": self.version,
                 "in_step_s": 0.0 if started is None else time.time() - started}
 
+    def steps_since(self, version: int) -> list[dict]:
+        """Step records newer than `version` (the controller publishes them on events/step)."""
+        return [s for s in self.steps if s["version"] > version]
+
     def summary(self) -> dict:
         return {"model_id": self.model_id, "version": self.version,
                 "rows_trained": self.rows_trained, "busy_s": self.busy_s,
                 "wait_s": self.wait_s, "elapsed_s": self.elapsed(),
                 "busy_fraction": self.busy_fraction(), "weights": self.last_weights,
+                "checkpoints": list(self.checkpoints),
                 "history": list(self.history)}
+
+
+def complete_checkpoints(folder: Path) -> list[int]:
+    """Versions of the complete checkpoints in `folder` (with their checkpoint.json)."""
+    if not folder.is_dir():
+        return []
+    return sorted(int(p.name[1:]) for p in folder.glob("v*")
+                  if p.name[1:].isdigit() and (p / "checkpoint.json").is_file())

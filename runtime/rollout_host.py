@@ -28,8 +28,11 @@ class RayRolloutPorts:
     def for_owner(self, owner: str) -> "RayRolloutPorts":
         return RayRolloutPorts(self.clock, self.buffers, self.coach, self.metrics, owner)
 
-    async def admit(self, units: dict[str, int], round_id: str) -> bool:
-        return await self.clock.try_admit.remote(units, self.owner, round_id)
+    async def admit(self, units: dict[str, int], round_id: str, timeout_s: float) -> bool:
+        return await self.clock.wait_admit.remote(units, self.owner, round_id, timeout_s)
+
+    async def next_task(self) -> int:
+        return await self.clock.next_task_index.remote()
 
     async def generated(self, round_id: str, episodes: dict[str, dict[str, int]],
                         units: dict[str, int]) -> None:
@@ -79,7 +82,7 @@ class RolloutHost:
     def __init__(self, cfg: RolloutConfig, workflow_cfg: WorkflowConfig, run_id: str,
                  actor_index: int, engine_urls: dict[str, list[str]],
                  model_paths: dict[str, str], ports: RayRolloutPorts,
-                 readiness: dict[str, str], owner: str, num_actors: int = 1) -> None:
+                 readiness: dict[str, str], owner: str) -> None:
         from transformers import AutoTokenizer
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -90,13 +93,16 @@ class RolloutHost:
             for model_id, urls in engine_urls.items()
         }
         self.actor = RolloutActor(cfg, workflow_cfg, run_id, actor_index, routes,
-                                  ports.for_owner(owner), readiness, num_actors)
+                                  ports.for_owner(owner), readiness)
 
     async def run(self) -> dict:
         return await self.actor.run()
 
     async def stop(self) -> dict:
         return await self.actor.stop()
+
+    async def drain(self, timeout_s: float, reason: str = "scaled_down") -> dict:
+        return await self.actor.drain(timeout_s, reason)
 
     async def stats(self) -> dict:
         return self.actor.stats()

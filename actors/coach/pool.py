@@ -80,11 +80,24 @@ class CoachPool:
         self.scores_committed = self.commit_failures = 0
         self.started_at: float | None = None
         self.fatal: str | None = None  # a programming error in the coach: stops the run
+        self.paused = False  # control/coach pause: workers take no new job; rows wait, none drop
+        self._resumed: asyncio.Event | None = None
 
     def check(self) -> None:
         """Raise the coach's programming error, if one happened (the controller polls this)."""
         if self.fatal is not None:
             raise RuntimeError(self.fatal)
+
+    def pause(self) -> None:
+        """Hold new coach calls (calls in flight finish); requests keep queueing, bounded by
+        `queue_capacity`, which backpressures rollouts rather than dropping anything."""
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+        if self._resumed is not None:
+            self._resumed.set()
+            self._resumed = None
 
     def _ensure_workers(self) -> asyncio.Queue:
         if self._queue is None:
@@ -200,6 +213,10 @@ class CoachPool:
     async def _worker(self) -> None:
         assert self._queue is not None
         while True:
+            while self.paused:
+                if self._resumed is None:
+                    self._resumed = asyncio.Event()
+                await self._resumed.wait()
             job = await self._queue.get()
             try:
                 results = await self._run(job)
@@ -225,7 +242,7 @@ class CoachPool:
                "failures": sum(self.failures.values()), "duplicates": self.duplicates,
                "in_flight": self.in_flight, "queued": self._queue.qsize() if self._queue else 0,
                "committed": self.scores_committed, "commit_failures": self.commit_failures,
-               "rows_per_s": self.scored / elapsed}
+               "rows_per_s": self.scored / elapsed, "paused": float(self.paused)}
         out.update({f"failed/{reason}": n for reason, n in self.failures.items()})
         out.update(self.book.stats())
         coach = self.coach.stats()

@@ -16,7 +16,7 @@ import ray
 from buffers.clock import VersionClock
 from buffers.replay import BufferConfig, ReplayBuffer
 from buffers.schema import RewardCommit, StepRecord, group_key, new_id
-from runtime.controller import close_books, row_accounting
+from runtime.accounting import close_books, row_accounting
 
 
 def joint_round(round_id: str, episodes: int, turns: int) -> dict[str, list[StepRecord]]:

@@ -75,8 +75,11 @@ class LocalPorts:
         self.clock, self.buffer = clock, buffer
         self.rows_by_turn: Counter[int] = Counter()
 
-    async def admit(self, units, round_id):
-        return self.clock.try_admit(units, "r0", round_id)
+    async def admit(self, units, round_id, timeout_s=1.0):
+        return await self.clock.wait_admit(units, "r0", round_id, timeout_s)
+
+    async def next_task(self):
+        return self.clock.next_task_index()
 
     async def generated(self, round_id, episodes, units):
         self.clock.generated(round_id, episodes, units)

@@ -1,4 +1,6 @@
 """VersionClock admission numbers (DESIGN §5.1)."""
+import asyncio
+
 import pytest
 
 from buffers.clock import VersionClock
@@ -79,3 +81,54 @@ def test_an_abandoned_round_counts_its_rows_lost_and_frees_its_units():
     assert stats.generated == 6 and stats.lost["episode_error"] == 4 and stats.open_rounds == 1
     with pytest.raises(KeyError, match="not open"):
         clock.shipped("x")
+
+
+def test_waiting_admission_wakes_on_a_new_version_and_times_out_otherwise():
+    clock = VersionClock({"a": (1, 0)})
+
+    async def go():
+        assert await clock.wait_admit({"a": 1}, timeout_s=0.01)
+        started = asyncio.get_running_loop().time()
+        assert not await clock.wait_admit({"a": 1}, timeout_s=0.2)  # full: times out
+        assert asyncio.get_running_loop().time() - started >= 0.19
+        waiter = asyncio.create_task(clock.wait_admit({"a": 1}, timeout_s=30))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        started = asyncio.get_running_loop().time()
+        clock.set_version("a", 1)  # the learner stepped: one more unit may start
+        assert await waiter
+        assert asyncio.get_running_loop().time() - started < 1.0  # woken, not polled
+
+    asyncio.run(go())
+
+
+def test_pause_refuses_admission_until_resume_and_eta_changes_live():
+    clock = VersionClock({"a": (1, 0)})
+    clock.pause()
+    assert not clock.try_admit({"a": 1})
+    clock.resume()
+    assert clock.try_admit({"a": 1}) and not clock.try_admit({"a": 1})
+    clock.set_max_staleness("a", 2)  # two more versions of lead allowed
+    assert clock.max_staleness("a") == 2
+    assert clock.try_admit({"a": 1}) and clock.try_admit({"a": 1})
+    assert not clock.try_admit({"a": 1})
+    with pytest.raises(ValueError, match="max_staleness=-1"):
+        clock.set_max_staleness("a", -1)
+
+
+def test_state_and_restore_carry_versions_eta_ledger_and_the_task_cursor():
+    clock = VersionClock({"a": (2, 1)})
+    assert clock.try_admit({"a": 2}, owner="r", round_id="x")
+    clock.generated("x", {"e": {"a": 3}})
+    clock.shipped("x")
+    clock.set_version("a", 3)
+    clock.set_max_staleness("a", 0)
+    assert [clock.next_task_index() for _ in range(5)] == [0, 1, 2, 3, 4]
+    state = clock.state()
+    fresh = VersionClock({"a": (2, 1)})
+    fresh.restore({"a": 3}, {"a": state["models"]["a"]["max_staleness"]}, {"a": 1},
+                  state["ledger"], state["task_cursor"])
+    assert fresh.snapshot()["a"]["version"] == 3 and fresh.max_staleness("a") == 0
+    assert fresh.snapshot()["a"]["issued_units"] == 1
+    assert fresh.ledger_stats().generated == 3 and fresh.ledger_stats().closed_rounds == 1
+    assert fresh.next_task_index() == 5

@@ -249,3 +249,33 @@ def test_answers_match_from_a_thread():
 ])
 def test_extract_answer(text, answer):
     assert extract_answer(text) == answer
+
+
+# ------------------------------------------------------------------------------ shared stream
+
+def test_the_shared_stream_covers_every_epoch_however_the_indices_are_split(mixed_file):
+    """Rollout actors take indices from the clock in any interleaving (actors come and go):
+    each epoch is still every train task exactly once, then the stream is exhausted."""
+    cfg = TaskConfig(path=mixed_file, epochs=2)
+    readers = [TaskSource(cfg, "train", seed=5) for _ in range(3)]  # one per rollout actor
+    rng = random.Random(0)
+    played = [rng.choice(readers).task_at(i).task_id for i in range(20)]
+    everything = sorted(t.task_id for t in readers[0].all())
+    assert sorted(played[:10]) == everything == sorted(played[10:])
+    assert played[:10] != played[10:]  # the second epoch is reshuffled
+    with pytest.raises(TasksExhausted):
+        readers[1].task_at(20)
+    # the same index gives the same task in every process (a resumed run continues)
+    assert TaskSource(cfg, "train", seed=5).task_at(13) == readers[2].task_at(13)
+
+
+def test_the_shared_generated_stream_avoids_eval_prompts_deterministically():
+    cfg = TaskConfig(eval_size=8)
+    eval_prompts = {t.prompt for t in TaskSource(cfg, "eval", generator=tiny_sums).all()}
+    source = TaskSource(cfg, "train", generator=tiny_sums, seed=1)
+    tasks = [source.task_at(i) for i in range(500)]
+    assert source.skipped_overlap > 0 and not {t.prompt for t in tasks} & eval_prompts
+    again = TaskSource(cfg, "train", generator=tiny_sums, seed=1)
+    assert [again.task_at(i) for i in range(500)] == tasks
+    wide = TaskSource(TaskConfig(), "train", generator=wide_sums)
+    assert [wide.task_at(i).task_id for i in range(5)] == [f"train-sum-{i}" for i in range(5)]
