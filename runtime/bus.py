@@ -33,6 +33,8 @@ from amqtt.broker import Broker
 from pwdlib.hashers.argon2 import Argon2Hasher
 
 log = logging.getLogger(__name__)
+# amqtt's session state machine logs every transition at INFO: a line per client per event
+logging.getLogger("transitions").setLevel(logging.WARNING)
 
 MAX_PAYLOAD_BYTES = 64 * 1024  # control payloads above this are rejected unread
 EXCERPT_CHARS = 120  # how much of a bad payload `events/error` quotes back

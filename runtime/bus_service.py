@@ -100,14 +100,20 @@ class BusService:
             await self._broker.stop()
 
     # ------------------------------------------------------------------ commands
-    async def _handle(self, command: Command) -> None:
-        """The listener's handler: hand the command to the controller and await its verdict."""
+    def submit(self, command: Command) -> concurrent.futures.Future:
+        """Queue a command for the controller from any thread (what a bus message does);
+        the future resolves when it is applied, or raises why it was refused."""
         done: concurrent.futures.Future = concurrent.futures.Future()
         try:
             self.inbox.put_nowait((command, done))
         except queue.Full:
             raise RuntimeError(f"{self.inbox.maxsize} commands are waiting for the controller;"
                                " retry later") from None
+        return done
+
+    async def _handle(self, command: Command) -> None:
+        """The listener's handler: hand the command to the controller and await its verdict."""
+        done = self.submit(command)
         try:
             await asyncio.wait_for(asyncio.wrap_future(done), APPLY_TIMEOUT_S)
         except TimeoutError:

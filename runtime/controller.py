@@ -124,7 +124,7 @@ class Run:
         coach = build_coach(cfg.coach, build_workflow(cfg.workflow),
                             str(self.run_dir / "coach_cache.jsonl"))
         self.coach = ray.remote(CoachPool).options(num_cpus=0, max_concurrency=1000).remote(
-            cfg.coach, coach, BufferCommit(self.buffers))
+            cfg.coach, coach, BufferCommit(self.buffers), str(self.run_dir / "coach_requests.jsonl"))
         self.learners = {}
         for model_id, mc in cfg.models.items():
             pad_id = _pad_id(self.model_paths[model_id])

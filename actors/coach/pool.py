@@ -18,6 +18,8 @@ outcome, so it gets Δ_t = 0 (F.3: steps that did not affect the outcome get sma
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import time
 import traceback
@@ -66,8 +68,12 @@ CommitFn = Callable[[str, list[RewardCommit]], Awaitable[None]]
 class CoachPool:
     """Bounded, fire-and-forget scoring; commits land in the buffers by step_id."""
 
-    def __init__(self, cfg: CoachConfig, coach: Coach, commit: CommitFn) -> None:
+    def __init__(self, cfg: CoachConfig, coach: Coach, commit: CommitFn,
+                 journal_path: str | None = None) -> None:
         self.cfg = cfg
+        # every accepted request, one JSON line each: a resumed run re-sends those whose rows
+        # the recovered buffers still hold pending (runtime/resume.py)
+        self.journal = open(journal_path, "a", encoding="utf-8") if journal_path else None
         self.coach = coach
         self.commit = commit
         self.backprop = cfg.backprop if cfg.backprop.enabled else None
@@ -130,6 +136,9 @@ class CoachPool:
         """
         queue = self._ensure_workers()
         fresh = self._fresh(requests)
+        if self.journal is not None and fresh:
+            self.journal.write("".join(json.dumps(dataclasses.asdict(r), default=str) + "\n" for r in fresh))
+            self.journal.flush()  # to the OS: a killed process loses none of it
         if self.backprop is None:
             jobs = [[r] for r in fresh]
         else:
@@ -256,7 +265,22 @@ class CoachPool:
         return self.book.histograms()
 
     async def close(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
         for worker in self._workers:
             worker.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)
         await self.coach.close()
+
+
+def journaled_requests(path: str, step_ids: set[str]) -> list[CoachRequest]:
+    """The requests of `step_ids` in a coach journal (the last one of each, in order)."""
+    found: dict[str, CoachRequest] = {}
+    with open(path, encoding="utf-8") as journal:
+        for line in journal:
+            if not line.endswith("\n"):
+                break  # a torn last line: its request never reached the queue in full
+            record = json.loads(line)
+            if record["step_id"] in step_ids:
+                found[record["step_id"]] = CoachRequest(**record)
+    return list(found.values())
