@@ -20,6 +20,10 @@ class BufferConfig:
     min_group_size: int = 1  # a unit whose surviving rows (after FAILED/stale removal) fall below this is dropped as "incomplete"
     unit_timeout_s: float = 600.0  # a unit not complete this long after its first row is dropped as "timeout"
     coalesce_after: int = 0  # merge this many small producer batches (< 256 rows) into one chunk; 0 = never
+    # write-ahead log (buffers/wal.py; only for a buffer given a wal_dir)
+    wal_segment_bytes: int = 64 << 20  # a log segment this large is closed and a checkpoint of the held rows replaces every older file
+    wal_fsync_every_write: bool = False  # fsync each logged call (survives power loss, costs a disk flush per call); off: flushed to the OS per call (survives a killed process), fsynced per segment
+    wal_undo_versions: int = 16  # sampled rows stay restorable this many learner versions (or until settle_samples) so a resume from an older learner checkpoint can undo them; keep it >= the learner's checkpoint interval
 
     def __post_init__(self) -> None:
         if self.capacity_rows < 1:
@@ -33,6 +37,10 @@ class BufferConfig:
             raise ValueError(f"min_group_size={self.min_group_size}: must be >= 1; set it to 1 or more")
         if not self.unit_timeout_s > 0:
             raise ValueError(f"unit_timeout_s={self.unit_timeout_s}: must be > 0 seconds; give a positive timeout")
+        if self.wal_segment_bytes < 4096:
+            raise ValueError(f"wal_segment_bytes={self.wal_segment_bytes}: must be >= 4096; the default is {64 << 20}")
+        if self.wal_undo_versions < 0:
+            raise ValueError(f"wal_undo_versions={self.wal_undo_versions}: must be >= 0 (0: samples are never undone)")
 
 
 @dataclass(frozen=True)
@@ -78,3 +86,19 @@ class BufferStats:
     repeat_commits: int  # commits refused because the row already had its reward
     backpressure_refusals: int  # try_add calls refused for capacity
     resident_bytes: int  # Arrow buffers + numpy state + index structures
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    """What `ReplayBuffer.recover` rebuilt from a write-ahead log, for the runtime to log."""
+
+    rows_pending: int  # held rows waiting for a reward (their ids: `pending_step_ids()`)
+    rows_ready: int  # held rows rewarded, the undone ones included
+    rows_untrained: int  # rows of undone samples (taken at current_version >= learner_version), held again
+    samples_undone: int  # samples undone
+    undo_complete: bool  # False: some sample at a version >= learner_version was no longer kept (wal_undo_versions); its rows stay trained
+    records_replayed: int  # logged calls replayed on top of the checkpoint
+    segments_read: int  # files read: the checkpoint and the segment files after it
+    torn_bytes: int  # bytes of an incomplete last record skipped (a write cut short by the crash)
+    checkpoint: str | None  # the checkpoint file recovery started from; None: the log from its start
+    seconds: float  # wall time of the recovery

@@ -13,6 +13,9 @@ renumbered, so the step_id index and the units' row lists stay valid while memor
 reclaimed. `sample` copies the handed-out rows once, into one contiguous batch: a slice per
 unit of the few chunk columns, one fancy index per numpy column.
 
+With a `wal_dir` each call that changes the state is logged before it returns; `recover`
+replays the log through these methods at the logged times (`_clock`): buffers/wal.py.
+
 A plain class: `runtime/` wraps it as an actor; unit tests build it directly.
 """
 from __future__ import annotations
@@ -29,10 +32,11 @@ import pyarrow as pa
 
 from buffers.schema import (
     DROP_REASONS, REWARD_COLUMNS, STEP_SCHEMA, RewardColumns, RewardCommit, Status, StepBatch,
-    StepRecord,
+    StepRecord, WireRows,
 )
 
-from buffers.api import BufferConfig, BufferStats, ReadyBatch  # noqa: F401 (public here too)
+from buffers import wal
+from buffers.api import BufferConfig, BufferStats, ReadyBatch, RecoveryReport  # noqa: F401 (public here too)
 from buffers.ingest import (
     FIXED_COLUMNS, LABEL_COLUMNS, STORED_SCHEMA, Arrival, LabelCodes, as_wire, read_arrival,
 )
@@ -63,7 +67,10 @@ class _Unit:
 class ReplayBuffer:
     """Rows of one model, grouped into readiness units, sampled oldest-ready-first."""
 
-    def __init__(self, model_id: str, cfg: BufferConfig) -> None:
+    def __init__(self, model_id: str, cfg: BufferConfig, wal_dir: str | None = None, *,
+                 resume_from_version: int | None = None) -> None:
+        """Logging to `wal_dir` (new or empty) unless None; with `resume_from_version`, rebuilt
+        from it instead (`recover`, in a form a Ray actor's constructor can take)."""
         self.model_id = model_id
         self.cfg = cfg
         self._group_mode = cfg.readiness == "group"
@@ -93,6 +100,34 @@ class ReplayBuffer:
         self._rows_added = self._rows_trained = self._late = self._refusals = self._repeats = 0
         self._dropped = Counter({reason: 0 for reason in DROP_REASONS})
         self._dropped_units = 0
+        self._clock = time.time  # the one time source of every call; a log replay pins it
+        self._retired: list | None = None  # (reason or None, step_ids) retired by this call, for the log
+        self._wal, self._recovery = wal.attach(self, wal_dir, resume_from_version)
+
+    @classmethod
+    def recover(cls, model_id: str, cfg: BufferConfig, wal_dir: str, learner_version: int) -> ReplayBuffer:
+        """The buffer the log in `wal_dir` describes, logging on there. Samples taken at
+        `current_version >= learner_version` (the resumed learner checkpoint predates their step)
+        are undone: their rows are ready again, first in line. See `recovery_report()`."""
+        return cls(model_id, cfg, wal_dir, resume_from_version=learner_version)
+
+    def recovery_report(self) -> RecoveryReport | None:
+        """What the recovery that built this buffer found; None for a buffer built fresh."""
+        return self._recovery
+
+    def settle_samples(self, learner_version: int) -> None:
+        """A learner checkpoint at `learner_version` is durable: samples below it are final."""
+        self._log("settle", self._clock(), version=int(learner_version))
+
+    def close(self) -> None:
+        """Close the write-ahead log (fsynced); calls that change the buffer raise afterwards."""
+        if self._wal is not None:
+            self._wal.close()
+
+    def _log(self, kind: str, now: float, **args) -> None:
+        """Append this call to the write-ahead log, when there is one (buffers/wal.py)."""
+        if self._wal is not None:
+            self._wal.record(self, kind, now, args)
 
     # ----------------------------------------------------------------- arrivals
     def try_add(self, rows: StepBatch | pa.Table | pa.RecordBatch | list[StepRecord],
@@ -119,14 +154,17 @@ class ReplayBuffer:
             raise ValueError(f"{n} rows in one try_add exceed capacity_rows={self.cfg.capacity_rows}; raise capacity_rows")
         arrival = read_arrival(wire, self.model_id, self._group_mode)
         self._validate(arrival)  # everything is checked before anything moves
+        now = self._clock()
         if self._live + n > self.cfg.capacity_rows:  # refused only after validation
             self._refusals += 1
+            self._log("refused", now)
             return False
-        self._insert(arrival, wire_nbytes)
+        self._insert(arrival, wire_nbytes, now)
         if origin is not None:
             self._received[origin] = self._received.get(origin, 0) + n
             while len(self._received) > 4 * self.cfg.capacity_rows:  # bounded, as _closed
                 self._received.popitem(last=False)
+        self._log("add", now, rows=wire, origin=origin)
         return True
 
     def received_rows(self, origins: list[str]) -> dict[str, int]:
@@ -150,13 +188,9 @@ class ReplayBuffer:
             if expected is not None and (unit.received if unit else 0) + len(members) > expected:
                 raise ValueError(f"row {first}: its unit {uid!r} expects {expected} rows and got more")
 
-    def _insert(self, a: Arrival, wire_nbytes: int) -> None:
-        step_ids, scalars = a.rows.step_ids, a.rows.scalars
-        n, start = len(step_ids), self._end
-        self._ensure_slots(n)
-        lo, hi = start - self._base, start - self._base + n
-        # fresh slots already read PENDING / NaN / not alive: write only what differs
-        self._alive[lo:hi] = True
+    def _insert(self, a: Arrival, wire_nbytes: int, now: float) -> None:
+        n, start = len(a.rows.step_ids), self._end
+        lo, hi = self._write_rows(a.rows, wire_nbytes)
         rewarded = None
         if a.rewards is not None:
             rewarded = ~np.isnan(a.rewards[:, -1])
@@ -164,14 +198,6 @@ class ReplayBuffer:
             self._status[lo:hi] = np.where(rewarded, _READY, _PENDING)
             self._rewarded_at[lo:hi] = np.where(rewarded, a.created_at, np.nan)
             rewarded = rewarded.tolist()
-        self._behavior_version[lo:hi] = scalars["behavior_version"]
-        self._row_step[lo:hi] = step_ids
-        for name, values in self._fixed.items():
-            values[lo:hi] = scalars[name] if name in FIXED_COLUMNS else self._labels.encode(name, a.rows.labels[name])
-        self._index.update(zip(step_ids, range(start, start + n)))
-        self._store.append(a.rows.body, start, wire_nbytes)
-        self._end += n
-        self._live += n
         self._rows_added += n
         # per unit (a handful per arrival), then per row only to point it at its unit
         row_unit = [None] * n
@@ -195,9 +221,26 @@ class ReplayBuffer:
         self._row_unit[lo:hi] = row_unit
         for rows, reason in late:
             self._kill(np.array(rows, np.int64), reason)
-        now = time.time()
         for unit in touched:
             self._check(unit, now)
+
+    def _write_rows(self, rows: WireRows, wire_nbytes: int) -> tuple[int, int]:
+        """Hold `rows` as live rows numbered from `_end`, PENDING with null rewards and no unit
+        yet; returns their slot range. The caller sets rewards, status, units and counters."""
+        n, start = len(rows.step_ids), self._end
+        self._ensure_slots(n)
+        lo, hi = start - self._base, start - self._base + n
+        # fresh slots already read PENDING / NaN / not alive: write only what differs
+        self._alive[lo:hi] = True
+        self._behavior_version[lo:hi] = rows.scalars["behavior_version"]
+        self._row_step[lo:hi] = rows.step_ids
+        for name, values in self._fixed.items():
+            values[lo:hi] = rows.scalars[name] if name in FIXED_COLUMNS else self._labels.encode(name, rows.labels[name])
+        self._index.update(zip(rows.step_ids, range(start, start + n)))
+        self._store.append(rows.body, start, wire_nbytes)
+        self._end += n
+        self._live += n
+        return lo, hi
 
     def commit_rewards(self, commits: list[RewardCommit] | RewardColumns) -> None:
         """Apply reward components by step_id; unknown ids count as late commits.
@@ -206,15 +249,17 @@ class ReplayBuffer:
         (cheaper to send and to apply). Commits naming one step_id twice apply in order.
         """
         columns = commits if isinstance(commits, RewardColumns) else RewardColumns.from_commits(commits)
+        now = self._clock()
         if len(set(columns.step_ids)) == len(columns.step_ids):
-            self._apply(columns)
+            self._apply(columns, now)
         else:  # a repeated id: later entries must see earlier ones, so one at a time
             for i in range(len(columns.step_ids)):
-                self._apply(columns.take([i]))
+                self._apply(columns.take([i]), now)
+        self._log("commit", now, commits=columns)
 
-    def _apply(self, c: RewardColumns) -> None:
+    def _apply(self, c: RewardColumns, now: float) -> None:
         """Apply commits whose step_ids are distinct (so their order does not matter)."""
-        now, status = time.time(), self._status
+        status = self._status
         found = list(map(self._index.get, c.step_ids))
         known = [i for i, row in enumerate(found) if row is not None]
         self._late += len(found) - len(known)
@@ -266,11 +311,13 @@ class ReplayBuffer:
             raise ValueError(f"seal_episode needs readiness='episode'; this buffer uses {self.cfg.readiness!r}")
         if episode_id in self._closed or num_rows == 0:
             return  # already dropped (e.g. timed out) or nothing of it goes to this model
-        unit = self._units.get(episode_id) or self._new_unit(episode_id, None, time.time())
-        if num_rows < unit.received:
+        unit, now = self._units.get(episode_id), self._clock()
+        if num_rows < (unit.received if unit else 0):
             raise ValueError(f"episode {episode_id}: sealed at {num_rows} rows but {unit.received} arrived")
+        unit = unit or self._new_unit(episode_id, None, now)
         unit.expected = num_rows
-        self._check(unit, time.time())
+        self._check(unit, now)
+        self._log("seal", now, episode_id=episode_id, num_rows=num_rows)
 
     def drop_episode(self, episode_id: str, reason: str) -> int:
         """Drop every held row of an episode (a lost rollout) under `reason`; returns rows dropped.
@@ -279,14 +326,16 @@ class ReplayBuffer:
         is closed, other groups still missing rows of the lost episode end by timeout.
         """
         _check_reason(reason)
+        now = self._clock()
         if self.cfg.readiness == "episode":
             unit = self._units.get(episode_id)
             dropped = self._drop_unit(unit, reason) if unit is not None else 0
         else:
             rows = self._store.find("episode_id", episode_id)
-            self._remove_rows(rows, reason, time.time(), empty_unit_reason=reason)
+            self._remove_rows(rows, reason, now, empty_unit_reason=reason)
             dropped = len(rows)
         self._store.compact()
+        self._log("drop_episode", now, episode_id=episode_id, reason=reason)
         return dropped
 
     # ----------------------------------------------------------------- learner side
@@ -296,7 +345,9 @@ class ReplayBuffer:
 
         Returns None (and keeps every ready unit) when fewer than `num_units` are complete.
         """
-        now = time.time() if now is None else now
+        now = self._clock() if now is None else now
+        args, units_dropped = dict(num_units=num_units, current_version=current_version,
+                                   max_staleness=max_staleness), self._dropped_units
         self._drop_stale(current_version - max_staleness, now)
         while self._deadlines and self._deadlines[0][0] + self.cfg.unit_timeout_s < now:
             unit = heapq.heappop(self._deadlines)[2]
@@ -304,6 +355,8 @@ class ReplayBuffer:
                 self._drop_unit(unit, "timeout")
         if len(self._ready) < num_units:
             self._store.compact()
+            if self._retired or self._dropped_units != units_dropped:  # a call that changed nothing is not logged
+                self._log("sample", now, **args)
             return None
         units = [self._ready.popitem(last=False)[1] for _ in range(num_units)]
         sizes = np.fromiter(map(len, (u.rows for u in units)), np.int64, count=num_units)
@@ -318,7 +371,9 @@ class ReplayBuffer:
         self._rows_trained += len(rows)
         self._store.compact()
         ready_at = np.array([u.ready_at for u in units], np.float64)
-        return ReadyBatch(table, [u.uid for u in units], staleness, current_version, offsets, ready_at)
+        batch = ReadyBatch(table, [u.uid for u in units], staleness, current_version, offsets, ready_at)
+        self._log("sample", now, **args, batch=batch, units=units)
+        return batch
 
     def drain(self, reason: str = "run_stopped") -> int:
         """Drop every held row under `reason` (end-of-run accounting); returns rows dropped."""
@@ -327,12 +382,25 @@ class ReplayBuffer:
         for unit in list(self._units.values()):
             self._drop_unit(unit, reason)
         self._store.compact()
+        self._log("drain", self._clock(), reason=reason)
         return held
 
     def take_dropped_units(self) -> int:
         """Units dropped since the last call (the clock gives their budget back)."""
         count, self._dropped_units = self._dropped_units, 0
+        if count:
+            self._log("take_dropped_units", self._clock(), count=count)
         return count
+
+    def pending_step_ids(self) -> list[str]:
+        """Held rows waiting for their reward, oldest first (after a recovery: coach requests to resend)."""
+        slots = self._end - self._base
+        pending = np.flatnonzero(self._alive[:slots] & (self._status[:slots] == _PENDING))
+        return self._row_step[pending].tolist()
+
+    def held_units(self) -> int:
+        """Units held, ready or still waiting for rows or rewards (issued and not yet settled)."""
+        return len(self._units)
 
     def stats(self) -> BufferStats:
         """Counters and resident bytes (Arrow chunks, numpy state, index structures)."""
@@ -425,9 +493,11 @@ class ReplayBuffer:
             status = self._status[slots]
             self._status[slots] = np.where(status == _FAILED, _FAILED, _DROPPED)
             self._dropped[reason] += len(rows)
-        pop = self._index.pop
-        for step_id in self._row_step[slots].tolist():
+        pop, step_ids = self._index.pop, self._row_step[slots].tolist()
+        for step_id in step_ids:
             pop(step_id)
+        if self._retired is not None:
+            self._retired.append((reason, step_ids))
         self._row_step[slots] = None
         self._row_unit[slots] = None
         self._live -= len(rows)

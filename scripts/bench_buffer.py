@@ -28,6 +28,13 @@ Python objects and numpy data, plus pyarrow's memory pool) once every row is hel
 rewarded, over the raw token bytes (4 B per prompt token, 12 B per response token).
 The last line reads `buffer vs list-of-dicts speedup: <x>; memory overhead: <y>`
 (end-to-end time, and the ReplayBuffer's measured bytes over raw token bytes).
+
+"+ WAL" is the same ReplayBuffer with a write-ahead log (buffers/wal.py) in a fresh folder
+under --wal-dir (default: the system temp folder; put it on the disk a run would use): every
+call is appended and flushed to the OS, defaults otherwise (64 MiB segments, no per-call
+fsync). Its learner settles every sample at once (`settle_samples`), as if checkpointing every
+step; a real run keeps up to `wal_undo_versions` sampled batches more in memory. Its rows/s and
+peak memory are printed beside the plain buffer's.
 """
 from __future__ import annotations
 
@@ -37,7 +44,9 @@ import hashlib
 import json
 import pickle
 import random
+import shutil
 import sys
+import tempfile
 import time
 import tracemalloc
 from collections import deque
@@ -194,12 +203,27 @@ def replay_sample(buf: ReplayBuffer, num_units: int):
     return batch
 
 
-def replay_side(capacity: int) -> Side:
+def replay_side(capacity: int, wal_root: str | None = None) -> Side:
+    """The ReplayBuffer; with `wal_root`, logging to a fresh folder there (the last one removed)."""
+    folders: list[str] = []
+
+    def new():
+        if wal_root is None:
+            return ReplayBuffer("policy", BufferConfig(capacity_rows=capacity))
+        while folders:
+            shutil.rmtree(folders.pop())
+        folders.append(tempfile.mkdtemp(prefix="bench-wal-", dir=wal_root))
+        return ReplayBuffer("policy", BufferConfig(capacity_rows=capacity), folders[-1])
+
     def add(buf, message):
         assert buf.try_add(message)
-    return Side(lambda: ReplayBuffer("policy", BufferConfig(capacity_rows=capacity)),
-                lambda records: StepBatch(records_to_table(records)), add, replay_sample,
-                learner_view)
+
+    def sample(buf, num_units):
+        batch = replay_sample(buf, num_units)
+        if batch is not None and wal_root is not None:
+            buf.settle_samples(VERSION + 1)  # the learner checkpointed: nothing kept for an undo
+        return batch
+    return Side(new, lambda records: StepBatch(records_to_table(records)), add, sample, learner_view)
 
 
 LIST_SIDE = Side(ListBuffer, lambda records: records, ListBuffer.add,
@@ -212,8 +236,9 @@ def run(side: Side, cuts: list, commit_messages: list, batch_units: int,
 
     Returns (seconds per phase, (rows trained, digest), buffer, memory). memory is None, or
     with `measure_memory` (bytes held with every row rewarded, the buffer's own estimate of
-    them or None). With `measure_memory` tracemalloc runs from after the messages are built
-    until every commit is applied; that pass's times are not comparable.
+    them or None, peak bytes held). With `measure_memory` tracemalloc runs from after the
+    messages are built until the last batch is received, and Arrow's pool is read after every
+    message for the peak; that pass's times are not comparable.
     """
     clock = time.perf_counter
     times = dict.fromkeys(PHASES, 0.0)
@@ -221,23 +246,29 @@ def run(side: Side, cuts: list, commit_messages: list, batch_units: int,
     start = clock()
     messages = [pickle.dumps(side.message(records), protocol=5) for records in cuts]
     times["produce"] = clock() - start
-    memory = None
+    memory, arrow_peak = None, 0
     if measure_memory:  # tracemalloc sees Python objects and numpy data; Arrow has its own pool
         gc.collect()
         arrow_before = pa.total_allocated_bytes()
         tracemalloc.start()
+
+    def arrow_held():  # the pool's peak cannot be reset, so it is read after every message
+        nonlocal arrow_peak
+        if measure_memory:
+            arrow_peak = max(arrow_peak, pa.total_allocated_bytes() - arrow_before)
     start = clock()
     for message in messages:
         side.add(buf, pickle.loads(message))
+        arrow_held()
     times["insert"] = clock() - start
     start = clock()
     for message in commit_messages:
         buf.commit_rewards(pickle.loads(message))
+        arrow_held()
     times["commit"] = clock() - start
     if measure_memory:
         gc.collect()
         held = tracemalloc.get_traced_memory()[0] + pa.total_allocated_bytes() - arrow_before
-        tracemalloc.stop()
         memory = held, buf.stats().resident_bytes if isinstance(buf, ReplayBuffer) else None
     rows, digest = 0, hashlib.blake2b(digest_size=16)
     while True:
@@ -252,6 +283,10 @@ def run(side: Side, cuts: list, commit_messages: list, batch_units: int,
         times["sample"] += received - start
         times["receive"] += done - received
         rows += checksum(out, digest)  # untimed
+        arrow_held()
+    if measure_memory:
+        memory = (*memory, tracemalloc.get_traced_memory()[1] + arrow_peak)
+        tracemalloc.stop()
     return tuple(times.values()), (rows, digest.hexdigest()), buf, memory
 
 
@@ -277,6 +312,7 @@ def main() -> None:
     parser.add_argument("--arrival-rows", type=int, default=20)
     parser.add_argument("--batch-units", type=int, default=64)
     parser.add_argument("--reps", type=int, default=5)  # best of, per phase: a shared machine
+    parser.add_argument("--wal-dir", default=tempfile.gettempdir())  # where "+ WAL" logs
     args = parser.parse_args()
     _, header = dtype_header("cpu")
     print(header + "\n(unused here: the buffer holds int32 token ids and float32 logprobs)")
@@ -285,9 +321,11 @@ def main() -> None:
     cuts = [records[i:i + args.arrival_rows] for i in range(0, args.rows, args.arrival_rows)]
     commit_lists, commit_columns = commit_messages(records)
     raw = sum(4 * len(r.prompt_ids) + 12 * len(r.response_ids) for r in records)
+    wal_root = tempfile.mkdtemp(prefix="bench-buffer-", dir=args.wal_dir)
     sides = {"dict-of-lists": (LIST_SIDE, commit_lists),
              "ReplayBuffer": (replay_side(args.rows), commit_lists),
-             "  RewardColumns": (replay_side(args.rows), commit_columns)}
+             "  RewardColumns": (replay_side(args.rows), commit_columns),
+             "  + WAL": (replay_side(args.rows, wal_root), commit_lists)}
     run(sides["ReplayBuffer"][0], cuts[:2], commit_lists[:1], 1)  # warm-up: lazy kernel loading
     best: dict = dict.fromkeys(sides)
     checks = {}
@@ -300,7 +338,8 @@ def main() -> None:
                 assert stats.rows_added == stats.rows_trained + sum(stats.dropped.values())
     assert len(set(checks.values())) == 1, checks  # same batches, byte for byte
     memory = {name: run(sides[name][0], cuts, sides[name][1], args.batch_units, True)[3]
-              for name in ("dict-of-lists", "ReplayBuffer")}  # (bytes held, own estimate)
+              for name in ("dict-of-lists", "ReplayBuffer", "  + WAL")}  # (held, own estimate, peak)
+    shutil.rmtree(wal_root)
     print(f"{args.rows} rows, groups of {GROUP}, {args.arrival_rows} rows per producer message, "
           f"{args.batch_units} units per sample, each phase the best of {args.reps}; "
           f"trained {checks['ReplayBuffer'][0]} rows, dropped stale {stats.dropped['stale']}")
@@ -331,9 +370,17 @@ def report(rows: int, best: dict, memory: dict, raw: int) -> None:
           "  offsets); ReplayBuffer the whole STEP_SCHEMA table (27 columns)\n"
           "- dict-of-lists checks nothing (capacity, repeated ids, group sizes, timeouts, failed\n"
           "  rows, drop counts)")
-    for name, (nbytes, _) in memory.items():
+    for name, (nbytes, _, _) in memory.items():
         print(f"{name:<14} holds {nbytes:>13,} bytes for raw token bytes {raw:,}: "
               f"{nbytes / raw:.2f} (tracemalloc + Arrow pool, every row held and rewarded)")
+    print("write-ahead log (same input; rows/s = rows through insert + commit + sample, the "
+          "buffer actor's serial part; peak = most bytes held during the pass):")
+    for name in ("ReplayBuffer", "  + WAL"):
+        actor_s = sum(best[name][1:4])
+        print(f"{name:<16}{rows / actor_s:>12,.0f} rows/s{memory[name][2]:>16,} bytes peak")
+    plain, logged = best["ReplayBuffer"], best["  + WAL"]
+    print(f"write-ahead log cost: {sum(logged[1:4]) / sum(plain[1:4]):.2f}x the buffer actor's "
+          f"time, {memory['  + WAL'][2] / memory['ReplayBuffer'][2]:.2f}x its peak memory")
     print(f"ReplayBuffer's own estimate (stats().resident_bytes, held rows): "
           f"{memory['ReplayBuffer'][1]:,}")
     speedup = sum(base) / sum(arrow)
