@@ -40,6 +40,7 @@ from runtime.learner_worker import LearnerWorker
 from runtime.metrics import MetricsWriter
 from runtime.models import resolve_model
 from runtime.rollout_host import BufferCommit, RayRolloutPorts, RolloutHost
+from runtime.resume import ResumePlan, leave_resume_files, plan_resume, restore_parts
 from runtime.stall import Snapshot, diagnose
 
 log = logging.getLogger("troupe")
@@ -71,10 +72,15 @@ def init_ray(cfg: TroupeConfig) -> None:
 class Run:
     """One training run; `start`, then `wait`, then `shutdown` (always)."""
 
-    def __init__(self, cfg: TroupeConfig) -> None:
+    def __init__(self, cfg: TroupeConfig, resume: bool = False) -> None:
+        """`resume`: continue the run in <runs_dir>/<run_id> from its files (runtime/resume.py);
+        its config.yaml already holds the seeds with run.seed applied."""
         self.cfg = cfg
+        self.resume = resume
+        self.resume_plan: ResumePlan | None = None
         resolve_dtypes(cfg)
-        apply_run_seed(cfg)
+        if not resume:
+            apply_run_seed(cfg)
         self.run_dir = make_run_dir(cfg)
         self.run_id = cfg.run.run_id
         self.model_paths = {m: str(resolve_model(mc.path)) for m, mc in cfg.models.items()}
@@ -116,8 +122,11 @@ class Run:
         log.info("starting %d engine server(s)…", sum(map(len, self.engines.values())))
         urls = {m: ray.get([e.start.remote() for e in es]) for m, es in self.engines.items()}
         log.info("engines ready: %s", urls)
-        self.buffers = {m: ray.remote(BufferActor).options(num_cpus=0).remote(m, mc.buffer)
-                        for m, mc in cfg.models.items()}
+        if self.resume:
+            self.resume_plan = plan_resume(cfg, self.run_dir)
+            leave_resume_files(self.resume_plan)
+        self.buffers = {m: ray.remote(BufferActor).options(num_cpus=0).remote(
+            m, mc.buffer, str(self.run_dir / "buffer" / m)) for m, mc in cfg.models.items()}
         self.clock = ray.remote(VersionClock).options(num_cpus=0).remote(
             {m: (mc.learner.batch_units, mc.learner.max_staleness)
              for m, mc in cfg.models.items()})
@@ -138,6 +147,8 @@ class Run:
                 self.buffers[model_id], self.clock, self.engines[model_id], self.metrics,
                 cfg.run.keep_weights, pad_id, cfg.run.checkpoint_every, cfg.run.keep_checkpoints)
         self.urls = urls
+        if self.resume_plan is not None:
+            restore_parts(self, self.resume_plan)
         self.ports = RayRolloutPorts(self.clock, self.buffers, self.coach, self.metrics)
         self.readiness = {m: mc.buffer.readiness for m, mc in cfg.models.items()}
         for i in range(cfg.rollout.actors):
@@ -359,6 +370,7 @@ class Run:
                         "bus": self.bus.stats() if self.bus else {}},
             "engines": engines,
             "engine_restarts": sum(e["restarts"] for e in engines.values()),
+            "resumed": asdict(self.resume_plan) if self.resume_plan else None,
             "dtypes": {m: {"engine": mc.engine.dtype, "learner": mc.learner.dtype}
                        for m, mc in self.cfg.models.items()},
             "rows": {**row_accounting(ledger, buffers),
@@ -426,9 +438,10 @@ def _pad_id(model_path: str) -> int:
     return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
 
-def run(cfg: TroupeConfig) -> dict:
-    """Run training to completion; returns the summary (also in runs/<id>/summary.json)."""
-    run_ = Run(cfg)
+def run(cfg: TroupeConfig, resume: bool = False) -> dict:
+    """Run training to completion (or continue one, `resume`); returns the summary (also in
+    runs/<id>/summary.json)."""
+    run_ = Run(cfg, resume)
     try:
         run_.start()
         run_.wait()

@@ -48,6 +48,9 @@ class LearnerWorker:
         self.keep_checkpoints = keep_checkpoints
         self._checkpoint_requested = False
         self.checkpoints: list[dict] = []  # (version, seconds, path) of checkpoints written
+        # one line per step: the step_ids it trained (and a marker at each resume), so "no row
+        # is trained twice" can be counted from the run directory (runtime/resume.py)
+        self.audit_path = Path(run_dir) / "logs" / f"trained_{model_id}.jsonl"
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         from transformers.utils import logging as hf_logging
 
@@ -130,6 +133,8 @@ class LearnerWorker:
         if final.exists():  # the same version again (a requested checkpoint at a due step)
             shutil.rmtree(final)
         os.replace(tmp, final)
+        # samples below this version are final now: the buffer's log stops keeping them for undo
+        await self.buffer.settle_samples.remote(self.version)
         seconds = time.perf_counter() - started
         self.checkpoints.append({"version": self.version, "seconds": seconds,
                                  "path": str(final)})
@@ -154,11 +159,17 @@ class LearnerWorker:
         self.version = int(meta["version"])
         self.rows_trained = int(meta["rows_trained"])
         self.busy_s, self.wait_s = float(meta["busy_s"]), float(meta["wait_s"])
+        # published versions from the checkpoint's on died with the run (or are republished
+        # now): the resumed lineage writes them afresh
+        for old in self.weights_dir.glob("v*"):
+            if old.name[1:].isdigit() and int(old.name[1:]) >= self.version:
+                shutil.rmtree(old)
         # engines restart from the base weights: they must serve the checkpoint's version
         ref = await asyncio.to_thread(self.learner.publish_weights, self.version)
         await asyncio.gather(*(e.update_weights_from_disk.remote(ref.path, self.version)
                                for e in self.engines))
         self.last_weights = ref.path
+        self._audit({"resumed_from": self.version, "at": time.time()})
         log.info("[%s] restored v%d from %s", self.model_id, self.version, path)
         return meta
 
@@ -182,10 +193,19 @@ class LearnerWorker:
         self.busy_s += step_s
         self.rows_trained += table.num_rows
         self.last_weights = ref.path
+        self._audit({"version": self.version, "at": time.time(),
+                     "max_staleness": self.max_staleness,
+                     "staleness_max": int(np.max(batch.staleness)),
+                     "step_ids": table.column("step_id").to_pylist()})
         self.history.append((time.time(), table.num_rows, step_s))
         self._step_started = None
         self._prune_weights()
         await self._log(batch, advantages, train, step_s, publish_s)
+
+    def _audit(self, record: dict) -> None:
+        self.audit_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.audit_path, "a", encoding="utf-8") as out:
+            out.write(json.dumps(record) + "\n")
 
     def _prune_weights(self) -> None:
         versions = sorted((int(p.name[1:]), p) for p in self.weights_dir.glob("v*")
@@ -273,3 +293,27 @@ def complete_checkpoints(folder: Path) -> list[int]:
         return []
     return sorted(int(p.name[1:]) for p in folder.glob("v*")
                   if p.name[1:].isdigit() and (p / "checkpoint.json").is_file())
+
+
+def trained_twice(audit_path: str | Path) -> tuple[int, int]:
+    """(rows trained, rows trained more than once) along the run's surviving lineage.
+
+    Steps logged after a checkpoint and before a crash died with the run: at each resume
+    marker the steps above its version are discarded, then every step_id is counted once per
+    surviving step that trained it.
+    """
+    steps: list[tuple[int, list[str]]] = []
+    with open(audit_path, encoding="utf-8") as audit:
+        for line in audit:
+            if not line.endswith("\n"):
+                break  # torn by a kill: that step's publish never completed either
+            record = json.loads(line)
+            if "resumed_from" in record:
+                steps = [(v, ids) for v, ids in steps if v <= record["resumed_from"]]
+            else:
+                steps.append((record["version"], record["step_ids"]))
+    seen: dict[str, int] = {}
+    for _, ids in steps:
+        for step_id in ids:
+            seen[step_id] = seen.get(step_id, 0) + 1
+    return len(seen), sum(1 for n in seen.values() if n > 1)
