@@ -55,6 +55,10 @@ class VersionClock:
         self._released_surplus: dict[str, int] = {}  # model_id -> units rounds did not produce
         self.paused = False  # a paused run admits nothing; rounds in flight finish
         self.task_cursor = 0  # next index of the train task stream all rollout actors share
+        # owners whose books are closed: an admission they still wait for (the caller died or
+        # was cancelled mid-wait) is refused, so no round opens after its owner was settled
+        self._retired: set[str] = set()
+        self._closed = False  # every owner's books closed (end of run): nothing is admitted
         self._changed: asyncio.Event | None = None  # created by the first waiter, in its loop
         for model_id, (batch_units, max_staleness) in models.items():
             if batch_units < 1:
@@ -73,7 +77,9 @@ class VersionClock:
         for model_id, n in units.items():
             if n < 0:
                 raise ValueError(f"model {model_id!r}: units={n} must be >= 0")
-        if self.paused or any(clock.issued_units >= clock.limit for clock, _ in clocks):
+        if self.paused or self._closed or owner in self._retired:
+            return False
+        if any(clock.issued_units >= clock.limit for clock, _ in clocks):
             return False
         if round_id is not None:
             self.ledger.open(round_id, owner, units)
@@ -92,7 +98,7 @@ class VersionClock:
         deadline = loop.time() + timeout_s
         while not self.try_admit(units, owner, round_id):
             remaining = deadline - loop.time()
-            if remaining <= 0:
+            if remaining <= 0 or self._closed or owner in self._retired:
                 return False
             if self._changed is None:
                 self._changed = asyncio.Event()
@@ -165,6 +171,11 @@ class VersionClock:
             (units given back for rounds that produced no rows yet, model_id -> units;
              round_id -> RoundEntry of rounds with rows, for the controller to reconcile)
         """
+        if owner is None:
+            self._closed = True
+        else:
+            self._retired.add(owner)
+        self._wake()  # its waiting admissions return refused now
         freed: dict[str, int] = {}
         with_rows = {}
         for round_id, entry in self.ledger.take(owner).items():

@@ -69,7 +69,7 @@ class ChunkStore:
         n = batch.num_rows
         if n == 0:
             return
-        self._ensure(first_row + n)
+        self._ensure(first_row + n, first_row)
         cid, self._next_chunk = self._next_chunk, self._next_chunk + 1
         self._chunks[cid] = _Chunk(batch, np.arange(first_row, first_row + n, dtype=np.int64),
                                    nbytes or batch.get_total_buffer_size())
@@ -176,18 +176,19 @@ class ChunkStore:
             chunk.nbytes = chunk.batch.get_total_buffer_size()
         cid, self._next_chunk = self._next_chunk, self._next_chunk + 1
         self._chunks[cid] = chunk
-        self._ensure(int(chunk.rows[-1]) + 1)
+        self._ensure(int(chunk.rows[-1]) + 1, int(chunk.rows[0]))
         slots = chunk.rows - self._base
         self._chunk_of[slots] = cid
         self._position[slots] = np.arange(len(slots))
 
-    def _ensure(self, end_row: int) -> None:
-        """Room for slots up to `end_row`: drop the retired prefix, then grow by doubling."""
+    def _ensure(self, end_row: int, first_row: int) -> None:
+        """Room for slots `first_row..end_row`: drop the retired prefix, grow by doubling."""
         if end_row - self._base <= len(self._chunk_of):
             return
         held = np.flatnonzero(self._chunk_of >= 0)
         shift = int(held[0]) if len(held) else len(self._chunk_of)
-        shift = min(shift, end_row - self._base)
+        # never past the rows being placed (an empty store given more rows than it has slots)
+        shift = min(shift, first_row - self._base)
         size = len(self._chunk_of)
         while end_row - self._base - shift > size:
             size *= 2

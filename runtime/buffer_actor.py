@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import time
 from pathlib import Path
 
 from buffers.api import ReadyBatch
@@ -44,9 +46,14 @@ class BufferActor(ReplayBuffer):
         super().__init__(model_id, cfg, wal_dir, resume_from_version=version)
         if resume_file is not None and resume_file.exists():
             resume_file.unlink()  # rolled back once; a later restart must not roll back again
+        self._incarnation = (os.getpid(), time.time())
         report = self.recovery_report()
         if report is not None:
             log.info("buffer %s recovered: %s", model_id, report)
+
+    def incarnation(self) -> tuple[int, float]:
+        """(process id, start time): it changes when Ray restarts the buffer."""
+        return self._incarnation
 
     def recovery(self) -> dict | None:
         """The recovery report as plain data (None for a buffer built fresh)."""

@@ -58,6 +58,7 @@ class RunConfig:
     keep_weights: int = 3  # published weight versions kept on disk per model
     # restarts of failed rollout actors allowed in any 60-minute window; one more stops the run
     actor_restarts_per_hour: int = 6
+    buffer_restarts: int = 3  # restarts of a crashed buffer actor (it recovers from its log)
     checkpoint_every: int = 10  # learner steps between checkpoints (checkpoints/<model>/); 0 = off
     keep_checkpoints: int = 2  # checkpoints kept per model (older ones are deleted)
     # seconds a scaled-down rollout actor may take to finish its in-flight rounds; rounds still
@@ -130,6 +131,12 @@ class TroupeConfig:
             raise ConfigError(f"coach.roles/coach.truth_agents name {sorted(unknown)}, not roles "
                               f"of {self.workflow.name} ({sorted(roles)})")
         for model_id, model in self.models.items():
+            undo = model.buffer.wal_undo_versions
+            if self.run.checkpoint_every and undo < self.run.checkpoint_every:
+                raise ConfigError(
+                    f"models.{model_id}.buffer.wal_undo_versions={undo} < run.checkpoint_every="
+                    f"{self.run.checkpoint_every}: a resume could not give back the rows "
+                    "trained after the last checkpoint; raise wal_undo_versions")
             want = model.learner.readiness_unit
             if model.buffer.readiness != want:
                 raise ConfigError(

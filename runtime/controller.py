@@ -27,6 +27,7 @@ from pathlib import Path
 import ray
 
 from actors.coach import CoachPool, build_coach
+from actors.coach.pool import journaled_requests
 from actors.engines.sglang import SGLangEngine
 from actors.workflows import build_workflow
 from buffers.clock import VersionClock
@@ -94,6 +95,7 @@ class Run:
         self.restart_times: deque[float] = deque()  # failures within the last hour (the budget)
         self.state = "starting"  # starting | running | stopping | finished | failed (events/status)
         self.bus: BusService | None = None
+        self.buffer_restarts: dict[str, int] = {}  # model -> restarts of its buffer actor
         self.status_ticks = 0  # supervision rounds (the step of coach score histograms)
         self.owners: dict[int, str] = {}
         self.crashed_units: dict[str, int] = {}  # admitted units lost with crashed actors
@@ -122,10 +124,14 @@ class Run:
         log.info("starting %d engine server(s)…", sum(map(len, self.engines.values())))
         urls = {m: ray.get([e.start.remote() for e in es]) for m, es in self.engines.items()}
         log.info("engines ready: %s", urls)
+        self.buffer_incarnations = None  # set once the buffers exist (restart detection)
         if self.resume:
             self.resume_plan = plan_resume(cfg, self.run_dir)
             leave_resume_files(self.resume_plan)
-        self.buffers = {m: ray.remote(BufferActor).options(num_cpus=0).remote(
+        # A buffer whose process dies is restarted by Ray over its write-ahead log; calls in
+        # flight fail (a rollout's round is then settled, a learner retries).
+        self.buffers = {m: ray.remote(BufferActor).options(
+            num_cpus=0, max_restarts=cfg.run.buffer_restarts, max_task_retries=0).remote(
             m, mc.buffer, str(self.run_dir / "buffer" / m)) for m, mc in cfg.models.items()}
         self.clock = ray.remote(VersionClock).options(num_cpus=0).remote(
             {m: (mc.learner.batch_units, mc.learner.max_staleness)
@@ -147,6 +153,8 @@ class Run:
                 self.buffers[model_id], self.clock, self.engines[model_id], self.metrics,
                 cfg.run.keep_weights, pad_id, cfg.run.checkpoint_every, cfg.run.keep_checkpoints)
         self.urls = urls
+        self.buffer_incarnations = {m: ray.get(b.incarnation.remote())
+                                    for m, b in self.buffers.items()}
         if self.resume_plan is not None:
             restore_parts(self, self.resume_plan)
         self.ports = RayRolloutPorts(self.clock, self.buffers, self.coach, self.metrics)
@@ -277,6 +285,7 @@ class Run:
     def _status(self) -> Snapshot:
         """Coach and engine supervision plus the periodic metrics; returns the counters."""
         ray.get(self.coach.check.remote())  # a coach programming error stops the run here
+        self._watch_buffer_restarts()
         for es in self.engines.values():
             ray.get([e.ensure_alive.remote() for e in es])
         now = self._snapshot(coach=self._coach_metrics())
@@ -302,12 +311,49 @@ class Run:
         return Snapshot(
             at=time.time(),
             learners=dict(zip(self.learners, learners)),
-            buffers={m: asdict(s) for m, s in zip(
-                self.buffers, ray.get([b.stats.remote() for b in self.buffers.values()]))},
+            buffers={m: asdict(self._buffer_stats(m)) for m in self.buffers},
             clock=ray.get(self.clock.snapshot.remote()),
             coach=coach if coach is not None else ray.get(self.coach.stats.remote()),
             rollouts=self._rollout_stats(),
             engines=self._engine_stats())
+
+    def _watch_buffer_restarts(self) -> None:
+        """A buffer Ray restarted came back from its log with rows still pending whose coach
+        scores were lost with the old process: ask the coach for them again, once."""
+        seen = self.buffer_incarnations
+        current = {m: self._buffer_call(m, "incarnation") for m in self.buffers}
+        self.buffer_incarnations = current
+        for model_id, incarnation in current.items():
+            if incarnation == seen[model_id]:
+                continue
+            self.buffer_restarts[model_id] = self.buffer_restarts.get(model_id, 0) + 1
+            pending = set(self._buffer_call(model_id, "pending_step_ids"))
+            journal = self.run_dir / "coach_requests.jsonl"
+            requests = journaled_requests(str(journal), pending) if journal.is_file() else []
+            if requests:
+                ray.get(self.coach.submit.remote(requests, True))
+            log.warning("buffer %s was restarted and recovered from its log: %s; %d of %d "
+                        "pending rows sent to the coach again", model_id,
+                        self._buffer_call(model_id, "recovery"), len(requests), len(pending))
+            self.control.publish_error("buffer_restarted", f"buffer {model_id} recovered "
+                                       f"from its log; {len(requests)} coach requests re-sent")
+
+    def _buffer_stats(self, model_id: str, limit_s: float = 180.0):
+        return self._buffer_call(model_id, "stats", limit_s=limit_s)
+
+    def _buffer_call(self, model_id: str, method: str, *args, limit_s: float = 180.0):
+        """Call a buffer, waiting while Ray restarts it (a call in flight at its crash
+        fails; later ones queue until it has recovered from its log)."""
+        deadline = time.monotonic() + limit_s
+        while True:
+            try:
+                return ray.get(getattr(self.buffers[model_id], method).remote(*args))
+            except ray.exceptions.RayActorError as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("buffer %s unavailable (%s); waiting for its restart", model_id,
+                            type(exc).__name__)
+                time.sleep(1.0)
 
     def _rollout_stats(self) -> list[dict]:
         """Stats of the live rollout actors; a dead one is skipped here (its `run` reference
@@ -353,6 +399,7 @@ class Run:
     def finish(self) -> dict:
         """Stop rollouts, drain buffers, account for every row; returns the summary."""
         self.state = "stopping"
+        self._watch_buffer_restarts()  # one that restarted since the last status round
         rollout_stats = ray.get([r.stop.remote() for r in self.rollouts.values()])
         self._close_books(None, "run_stopped")  # rounds cut off while shipping
         learner = {m: ray.get(w.summary.remote()) for m, w in self.learners.items()}
@@ -370,6 +417,7 @@ class Run:
                         "bus": self.bus.stats() if self.bus else {}},
             "engines": engines,
             "engine_restarts": sum(e["restarts"] for e in engines.values()),
+            "buffer_restarts": dict(self.buffer_restarts),
             "resumed": asdict(self.resume_plan) if self.resume_plan else None,
             "dtypes": {m: {"engine": mc.engine.dtype, "learner": mc.learner.dtype}
                        for m, mc in self.cfg.models.items()},

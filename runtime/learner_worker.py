@@ -27,6 +27,8 @@ from learners.protocol import build_learner
 
 log = logging.getLogger("troupe.learner")
 
+BUFFER_RESTART_S = 180.0  # how long calls to a buffer being restarted by Ray are retried
+
 
 class LearnerWorker:
     """Drives one model's learner; `runtime.controller` wraps it as a Ray actor."""
@@ -65,6 +67,7 @@ class LearnerWorker:
         self.last_weights: str | None = None
         self.history: list[tuple[float, int, float]] = []  # (step end time, rows, busy s)
         self.steps: deque[dict] = deque(maxlen=256)  # recent step records (events/step)
+        self.buffer_retries = 0  # buffer calls retried while Ray restarted the buffer
         self._stop = False
         self._step_started: float | None = None  # wall time the running step began
 
@@ -100,9 +103,9 @@ class LearnerWorker:
                 continue  # a stop may have come in meanwhile
             # η is read from the clock each time: a live change applies to this sampling
             self.max_staleness = await self.clock.max_staleness.remote(self.model_id)
-            batch = await self.buffer.sample_wait.remote(self.cfg.batch_units, self.version,
-                                                         self.max_staleness, 1.0)
-            dropped_units = await self.buffer.take_dropped_units.remote()
+            batch = await self._buffer("sample_wait", self.cfg.batch_units, self.version,
+                                       self.max_staleness, 1.0)
+            dropped_units = await self._buffer("take_dropped_units")
             if dropped_units:
                 await self.clock.release.remote(self.model_id, dropped_units)
             if batch is not None:
@@ -134,7 +137,7 @@ class LearnerWorker:
             shutil.rmtree(final)
         os.replace(tmp, final)
         # samples below this version are final now: the buffer's log stops keeping them for undo
-        await self.buffer.settle_samples.remote(self.version)
+        await self._buffer("settle_samples", self.version)
         seconds = time.perf_counter() - started
         self.checkpoints.append({"version": self.version, "seconds": seconds,
                                  "path": str(final)})
@@ -202,6 +205,24 @@ class LearnerWorker:
         self._prune_weights()
         await self._log(batch, advantages, train, step_s, publish_s)
 
+    async def _buffer(self, method: str, *args):
+        """Call the buffer, retrying while Ray restarts it after a crash of its process (it
+        rebuilds itself from its log, runtime/buffer_actor.py); a buffer that stays down for
+        BUFFER_RESTART_S, or is dead for good, fails the learner and with it the run."""
+        import ray
+
+        deadline = time.monotonic() + BUFFER_RESTART_S
+        while True:
+            try:
+                return await getattr(self.buffer, method).remote(*args)
+            except ray.exceptions.RayActorError as exc:
+                if time.monotonic() > deadline:
+                    raise
+                self.buffer_retries += 1  # counted in the summary
+                log.warning("[%s] buffer unavailable (%s); retrying %s", self.model_id,
+                            type(exc).__name__, method)
+                await asyncio.sleep(1.0)
+
     def _audit(self, record: dict) -> None:
         self.audit_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.audit_path, "a", encoding="utf-8") as out:
@@ -240,7 +261,7 @@ class LearnerWorker:
             scalars[f"reward/{agent}/mean"] = float(np.mean(values))
         # train["tokens"] is the batch's response-token count (the loss mask's sum).
         scalars[f"behavior/{m}/response_len_mean"] = train["tokens"] / table.num_rows
-        stats = await self.buffer.stats.remote()
+        stats = await self._buffer("stats")
         scalars.update({
             f"buffer/{m}/pending_rows": float(stats.pending_rows),
             f"buffer/{m}/ready_rows": float(stats.ready_rows),
@@ -283,7 +304,7 @@ class LearnerWorker:
                 "rows_trained": self.rows_trained, "busy_s": self.busy_s,
                 "wait_s": self.wait_s, "elapsed_s": self.elapsed(),
                 "busy_fraction": self.busy_fraction(), "weights": self.last_weights,
-                "checkpoints": list(self.checkpoints),
+                "checkpoints": list(self.checkpoints), "buffer_retries": self.buffer_retries,
                 "history": list(self.history)}
 
 

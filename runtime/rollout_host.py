@@ -6,13 +6,21 @@ rollout process (they hold sockets, so they cannot be shipped) and runs a `Rollo
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+
+import ray
 
 from actors.episode import CoachRequest, ModelRoute
 from actors.engines.client import EngineClient
 from actors.rollout import RolloutActor, RolloutConfig
 from actors.workflows import WorkflowConfig
 from buffers.schema import RewardCommit, StepBatch, StepRecord, records_to_table
+
+log = logging.getLogger("troupe")
+
+BUFFER_RESTART_S = 180.0  # how long shipping waits for a buffer that Ray is restarting
 
 
 class RayRolloutPorts:
@@ -45,10 +53,31 @@ class RayRolloutPorts:
         await self.clock.abandon.remote(round_id, rows, reason)
 
     async def add_rows(self, model_id: str, records: list[StepRecord], origin: str) -> bool:
-        # Converted here, in the (parallel) rollout process: the buffer is one serial actor
-        # and ingests this wire form without copying token data.
-        return await self.buffers[model_id].try_add.remote(
-            StepBatch(records_to_table(records)), origin)
+        """Ship one episode's rows of one model; rides out a restart of the buffer.
+
+        Converted here, in the (parallel) rollout process: the buffer is one serial actor and
+        ingests this wire form without copying token data. If the buffer's process dies
+        during the call, Ray restarts it from its log, which holds every accepted call: the
+        rows are sent again only if that log shows they never arrived (no row twice).
+        """
+        buffer = self.buffers[model_id]
+        batch = StepBatch(records_to_table(records))
+        deadline = time.monotonic() + BUFFER_RESTART_S
+        while True:
+            try:
+                return await buffer.try_add.remote(batch, origin)
+            except ray.exceptions.RayActorError as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("buffer %s unavailable while shipping (%s); checking what arrived",
+                            model_id, type(exc).__name__)
+                await asyncio.sleep(1.0)
+                try:
+                    arrived = (await buffer.received_rows.remote([origin]))[origin]
+                except ray.exceptions.RayActorError:
+                    continue  # still restarting
+                if arrived >= len(records):
+                    return True  # accepted and logged before the crash
 
     async def seal_episode(self, model_id: str, episode_id: str, num_rows: int) -> None:
         await self.buffers[model_id].seal_episode.remote(episode_id, num_rows)

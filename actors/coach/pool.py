@@ -84,6 +84,7 @@ class CoachPool:
         self.failures: Counter[str] = Counter()
         self.requests = self.duplicates = self.in_flight = self.scored = 0
         self.scores_committed = self.commit_failures = 0
+        self.resent = 0  # requests scored again for a restarted buffer (or a resumed run)
         self.started_at: float | None = None
         self.fatal: str | None = None  # a programming error in the coach: stops the run
         self.paused = False  # control/coach pause: workers take no new job; rows wait, none drop
@@ -129,14 +130,20 @@ class CoachPool:
         self.requests += len(fresh)
         return fresh
 
-    async def submit(self, requests: list[CoachRequest]) -> int:
+    async def submit(self, requests: list[CoachRequest], resend: bool = False) -> int:
         """Queue requests for scoring; returns at once unless the queue is full.
 
         With backpropagation one queue entry is one episode (its chain needs every action).
+        `resend`: requests whose scores a restarted buffer lost (its rows came back pending
+        from its log): scored again even though the pool has seen their step_ids.
         """
         queue = self._ensure_workers()
+        if resend:
+            for request in requests:
+                self._seen.pop(request.step_id, None)
+            self.resent += len(requests)
         fresh = self._fresh(requests)
-        if self.journal is not None and fresh:
+        if self.journal is not None and fresh and not resend:
             self.journal.write("".join(json.dumps(dataclasses.asdict(r), default=str) + "\n" for r in fresh))
             self.journal.flush()  # to the OS: a killed process loses none of it
         if self.backprop is None:
@@ -251,7 +258,8 @@ class CoachPool:
                "failures": sum(self.failures.values()), "duplicates": self.duplicates,
                "in_flight": self.in_flight, "queued": self._queue.qsize() if self._queue else 0,
                "committed": self.scores_committed, "commit_failures": self.commit_failures,
-               "rows_per_s": self.scored / elapsed, "paused": float(self.paused)}
+               "rows_per_s": self.scored / elapsed, "paused": float(self.paused),
+               "resent": self.resent}
         out.update({f"failed/{reason}": n for reason, n in self.failures.items()})
         out.update(self.book.stats())
         coach = self.coach.stats()

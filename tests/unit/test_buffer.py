@@ -380,3 +380,15 @@ def test_a_second_reward_for_a_rewarded_row_is_refused_and_counted():
                        batch.table.column("reward").to_pylist()))
     assert rewards == {rows[0].step_id: 0.25, rows[1].step_id: 0.5}
     _invariant(buf)
+
+
+def test_a_first_arrival_larger_than_the_initial_slots_is_held():
+    """An empty buffer given more rows at once than its initial 256 slots (the chunk store
+    used to move its base past the new rows and fail to place them)."""
+    buf = ReplayBuffer("m", BufferConfig(capacity_rows=4096))
+    rows = [r for g in range(75) for r in _rows(group=f"g{g}", reward=1.0)]  # 300 rows
+    assert buf.try_add(rows)
+    batch = buf.sample(75, current_version=0, max_staleness=0)
+    assert batch is not None and batch.table.num_rows == 300
+    assert sorted(batch.table.column("step_id").to_pylist()) == sorted(r.step_id for r in rows)
+    _invariant(buf)

@@ -132,3 +132,22 @@ def test_state_and_restore_carry_versions_eta_ledger_and_the_task_cursor():
     assert fresh.snapshot()["a"]["issued_units"] == 1
     assert fresh.ledger_stats().generated == 3 and fresh.ledger_stats().closed_rounds == 1
     assert fresh.next_task_index() == 5
+
+
+def test_an_admission_still_waiting_when_its_owner_is_settled_is_refused():
+    """A rollout actor that dies (or is stopped) while waiting for admission leaves its wait
+    running in the clock: it must not open a round after the controller settled the owner."""
+    clock = VersionClock({"a": (1, 0)})
+
+    async def go():
+        assert clock.try_admit({"a": 1}, owner="r0", round_id="first")
+        waiting = asyncio.create_task(clock.wait_admit({"a": 1}, "r0", "orphan", timeout_s=30))
+        await asyncio.sleep(0.05)
+        clock.take_owner("r0")  # the controller settles the dead actor: "first" is freed
+        assert not await waiting  # woken and refused, although a unit is free now
+        assert clock.ledger_stats().open_rounds == 0
+        assert clock.try_admit({"a": 1}, owner="r1", round_id="new")  # its replacement plays
+        clock.take_owner(None)  # end of run
+        assert not clock.try_admit({"a": 1}, owner="r2", round_id="late")
+
+    asyncio.run(go())
