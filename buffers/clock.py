@@ -216,6 +216,21 @@ class VersionClock:
         self._get(model_id).max_staleness = eta
         self._wake()
 
+    def rewind(self, model_id: str, version: int, held_units: int) -> None:
+        """A learner restarted from its checkpoint at `version` (the steps after it died with
+        its process). Issued units are re-derived: the `version x batch_units` consumed, the
+        `held_units` its recovered buffer holds, and the units of rounds still open (a round
+        shipping right now may be counted in both: admission errs on the tight side, and no
+        later release can exceed what is issued). The only way a version goes down."""
+        clock = self._get(model_id)
+        if version > clock.version:
+            raise ValueError(f"model {model_id!r}: rewind to v{version} > current "
+                             f"v{clock.version}; a rewind only goes back")
+        in_flight = sum(entry.units.get(model_id, 0) for entry in self.ledger.open_entries())
+        clock.version = version
+        clock.issued_units = version * clock.batch_units + held_units + in_flight
+        self._wake()
+
     def max_staleness(self, model_id: str) -> int:
         """η of `model_id` now: learners sample under it (the only copy of the live value)."""
         return self._get(model_id).max_staleness

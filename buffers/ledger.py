@@ -117,6 +117,9 @@ class RoundLedger:
         self._closed = int(stats["closed_rounds"])
         self._abandoned = int(stats["abandoned_rounds"])
 
+    def open_entries(self) -> list[RoundEntry]:
+        return list(self._open.values())
+
     def stats(self) -> LedgerStats:
         return LedgerStats(self._generated, dict(self._lost), len(self._open), self._closed,
                            self._abandoned)

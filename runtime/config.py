@@ -59,6 +59,9 @@ class RunConfig:
     # restarts of failed rollout actors allowed in any 60-minute window; one more stops the run
     actor_restarts_per_hour: int = 6
     buffer_restarts: int = 3  # restarts of a crashed buffer actor (it recovers from its log)
+    # restarts of a crashed learner actor: it continues from its newest checkpoint, and its
+    # buffer rolls back what the lost steps had trained (0: a learner crash stops the run)
+    learner_restarts: int = 2
     checkpoint_every: int = 10  # learner steps between checkpoints (checkpoints/<model>/); 0 = off
     keep_checkpoints: int = 2  # checkpoints kept per model (older ones are deleted)
     # seconds a scaled-down rollout actor may take to finish its in-flight rounds; rounds still

@@ -128,15 +128,23 @@ class RunControl:
         self._steps_at = now
         run = self.run
         models = list(run.learners)
-        fresh = ray.get([run.learners[m].steps_since.remote(self._versions[m]) for m in models])
         changed = False
-        for model_id, steps in zip(models, fresh):
+        for model_id in models:
+            try:
+                steps = ray.get(run.learners[model_id].steps_since.remote(self._versions[model_id]))
+            except ray.exceptions.RayActorError:
+                continue  # its process died: the supervision loop restarts it
+
             for step in steps:
                 self.bus.publish("step", step)
                 self._versions[model_id] = max(self._versions[model_id], step["version"])
                 changed = True
         if changed:
             self.bus.publish("version", {"versions": dict(self._versions), "at": now})
+
+    def rewound(self, model_id: str, version: int) -> None:
+        """A restarted learner continues from `version`: its next steps are new events."""
+        self._versions[model_id] = version
 
     def episodes_per_s(self, episodes: int, now: float, window_s: float = 60.0) -> float:
         """Episodes per second over the last `window_s` (the rate at today's actor count)."""

@@ -37,7 +37,8 @@ from runtime.bus_service import BusService
 from runtime.config import TroupeConfig, to_yaml
 from runtime.control import RunControl
 from runtime.dtype import resolve_dtype
-from runtime.learner_worker import LearnerWorker
+from runtime.buffer_actor import resume_file_of
+from runtime.learner_worker import LearnerWorker, complete_checkpoints
 from runtime.metrics import MetricsWriter
 from runtime.models import resolve_model
 from runtime.rollout_host import BufferCommit, RayRolloutPorts, RolloutHost
@@ -96,6 +97,9 @@ class Run:
         self.state = "starting"  # starting | running | stopping | finished | failed (events/status)
         self.bus: BusService | None = None
         self.buffer_restarts: dict[str, int] = {}  # model -> restarts of its buffer actor
+        self.learner_restarts: dict[str, int] = {}  # model -> restarts of its learner actor
+        self.learner_recoveries: list[dict] = []  # what each learner restart restored
+        self.last_progress: dict[str, dict] = {}  # model -> the learner's last progress seen
         self.status_ticks = 0  # supervision rounds (the step of coach score histograms)
         self.owners: dict[int, str] = {}
         self.crashed_units: dict[str, int] = {}  # admitted units lost with crashed actors
@@ -148,7 +152,8 @@ class Run:
             gpus = (mc.learner.tensor_parallel * mc.learner.pipeline_parallel
                     if mc.engine.device == "cuda" else 0)
             self.learners[model_id] = ray.remote(LearnerWorker).options(
-                num_cpus=cfg.run.learner_cpus, num_gpus=gpus, max_concurrency=8).remote(
+                num_cpus=cfg.run.learner_cpus, num_gpus=gpus, max_concurrency=8,
+                max_restarts=cfg.run.learner_restarts, max_task_retries=0).remote(
                 model_id, mc.learner, self.model_paths[model_id], str(self.run_dir),
                 self.buffers[model_id], self.clock, self.engines[model_id], self.metrics,
                 cfg.run.keep_weights, pad_id, cfg.run.checkpoint_every, cfg.run.keep_checkpoints)
@@ -203,7 +208,11 @@ class Run:
             for ref in done:
                 if ref in pending_learners:
                     model_id = pending_learners.pop(ref)
-                    summary = ray.get(ref)  # re-raises a learner failure: the run stops
+                    try:
+                        summary = ray.get(ref)  # re-raises a learner's error: the run stops
+                    except ray.exceptions.RayActorError as exc:  # its process died
+                        pending_learners[self._restart_learner(model_id, exc)] = model_id
+                        continue
                     log.info("learner %s finished: v%d", model_id, summary["version"])
                 else:
                     self._on_rollout_exit(ref)
@@ -263,6 +272,57 @@ class Run:
                  stats["rounds"])
         self.exhausted.add(index)
 
+    def _restart_learner(self, model_id: str, cause: Exception):
+        """A learner's process died: Ray restarts the actor (fresh, at v0); it continues from
+        its newest checkpoint, its buffer rolls back the samples the lost steps had taken
+        (restarted over its log), the clock goes back to that version. Returns the new `run`."""
+        self.learner_restarts[model_id] = self.learner_restarts.get(model_id, 0) + 1
+        if self.learner_restarts[model_id] > self.cfg.run.learner_restarts:
+            raise RuntimeError(f"learner {model_id} died again after "
+                               f"run.learner_restarts={self.cfg.run.learner_restarts} "
+                               "restarts") from cause
+        started = time.time()
+        log.error("learner %s died (%s); restarting it from its newest checkpoint", model_id,
+                  cause)
+        self.control.publish_error("learner_restarted", f"learner {model_id}: {cause}")
+        learner, buffer = self.learners[model_id], self.buffers[model_id]
+        found = complete_checkpoints(self.run_dir / "checkpoints" / model_id)
+        version = found[-1] if found else 0
+        wal_dir = self.run_dir / "buffer" / model_id
+        resume_file_of(wal_dir).write_text(json.dumps({"version": version}))
+        before = self.buffer_incarnations[model_id]
+        ray.kill(buffer, no_restart=False)  # Ray restarts it over its log, rolling back
+        deadline = time.monotonic() + 300
+        while self._buffer_call(model_id, "incarnation") == before:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"buffer {model_id} did not restart for the learner's "
+                                   "rollback within 300 s") from cause
+            time.sleep(0.5)
+        self.buffer_incarnations[model_id] = self._buffer_call(model_id, "incarnation")
+        held = self._buffer_call(model_id, "held_units")
+        ray.get(self.clock.rewind.remote(model_id, version, held))
+        while True:  # Ray is re-creating the learner (building a model takes a while)
+            try:
+                ray.get(learner.progress.remote())
+                break
+            except ray.exceptions.RayActorError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+        ray.get(learner.restore.remote(str(self.run_dir / "checkpoints" / model_id /
+                                           f"v{version}") if found else None))
+        self.control.rewound(model_id, version)
+        pending = set(self._buffer_call(model_id, "pending_step_ids"))
+        journal = self.run_dir / "coach_requests.jsonl"
+        if pending and journal.is_file():
+            ray.get(self.coach.submit.remote(journaled_requests(str(journal), pending), True))
+        self.learner_recoveries.append({"model": model_id, "version": version,
+                                        "seconds": time.time() - started,
+                                        "recovery": self._buffer_call(model_id, "recovery")})
+        log.warning("learner %s continues from v%d (%.1f s)", model_id, version,
+                    time.time() - started)
+        return learner.run.remote(self.cfg.run.max_steps)
+
     def _retire(self, index: int, ref) -> None:
         """A scaled-down actor finished draining: settle its rounds, end the actor."""
         since = self.draining.pop(index)
@@ -307,7 +367,7 @@ class Run:
 
     def _snapshot(self, coach: dict | None = None) -> Snapshot:
         """Every part's counters now (for the stall watchdog); `coach` if already fetched."""
-        learners = ray.get([w.progress.remote() for w in self.learners.values()])
+        learners = [self._progress(m) for m in self.learners]
         return Snapshot(
             at=time.time(),
             learners=dict(zip(self.learners, learners)),
@@ -354,6 +414,15 @@ class Run:
                 log.warning("buffer %s unavailable (%s); waiting for its restart", model_id,
                             type(exc).__name__)
                 time.sleep(1.0)
+
+    def _progress(self, model_id: str) -> dict:
+        """A learner's progress; while its process is dead or restarting, the last one seen."""
+        try:
+            progress = ray.get(self.learners[model_id].progress.remote())
+        except ray.exceptions.RayActorError:
+            return self.last_progress.get(model_id, {"version": 0, "in_step_s": 0.0})
+        self.last_progress[model_id] = progress
+        return progress
 
     def _rollout_stats(self) -> list[dict]:
         """Stats of the live rollout actors; a dead one is skipped here (its `run` reference
@@ -418,6 +487,8 @@ class Run:
             "engines": engines,
             "engine_restarts": sum(e["restarts"] for e in engines.values()),
             "buffer_restarts": dict(self.buffer_restarts),
+            "learner_restarts": dict(self.learner_restarts),
+            "learner_recoveries": self.learner_recoveries,
             "resumed": asdict(self.resume_plan) if self.resume_plan else None,
             "dtypes": {m: {"engine": mc.engine.dtype, "learner": mc.learner.dtype}
                        for m, mc in self.cfg.models.items()},

@@ -149,19 +149,23 @@ class LearnerWorker:
             shutil.rmtree(self.checkpoints_dir / f"v{old}")
         return str(final)
 
-    async def restore(self, path: str) -> dict:
-        """Resume from a checkpoint folder written by `checkpoint`; engines get its weights.
+    async def restore(self, path: str | None) -> dict:
+        """Resume from a checkpoint folder written by `checkpoint` (None: from the initial
+        weights, version 0); engines get its weights.
 
         Returns the checkpoint's metadata (the controller restores the clock from it).
         """
-        meta = json.loads((Path(path) / "checkpoint.json").read_text())
-        if meta["model_id"] != self.model_id:
-            raise ValueError(f"checkpoint {path} belongs to model {meta['model_id']!r}, not "
-                             f"{self.model_id!r}")
-        await asyncio.to_thread(self.learner.load, str(Path(path) / "learner"))
+        if path is None:
+            meta = {"version": 0}
+        else:
+            meta = json.loads((Path(path) / "checkpoint.json").read_text())
+            if meta["model_id"] != self.model_id:
+                raise ValueError(f"checkpoint {path} belongs to model {meta['model_id']!r}, "
+                                 f"not {self.model_id!r}")
+            await asyncio.to_thread(self.learner.load, str(Path(path) / "learner"))
+            self.rows_trained = int(meta["rows_trained"])
+            self.busy_s, self.wait_s = float(meta["busy_s"]), float(meta["wait_s"])
         self.version = int(meta["version"])
-        self.rows_trained = int(meta["rows_trained"])
-        self.busy_s, self.wait_s = float(meta["busy_s"]), float(meta["wait_s"])
         # published versions from the checkpoint's on died with the run (or are republished
         # now): the resumed lineage writes them afresh
         for old in self.weights_dir.glob("v*"):
@@ -292,7 +296,7 @@ class LearnerWorker:
     def progress(self) -> dict:
         """Version and how long the current step has run (0 between steps): the stall watch."""
         started = self._step_started
-        return {"version": self.version,
+        return {"version": self.version, "pid": os.getpid(),
                 "in_step_s": 0.0 if started is None else time.time() - started}
 
     def steps_since(self, version: int) -> list[dict]:

@@ -158,7 +158,8 @@ def step_line(body: dict[str, Any]) -> str:
         if key in body:
             head.append(f"{key} {body[key]}")
     rest = [f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}"
-            for key, value in sorted(body.items()) if key not in ("model", "version", "step")]
+            for key, value in sorted(body.items())
+            if key not in ("model", "version", "step", "at")]  # the line starts with the time
     return " | ".join(head + rest)
 
 

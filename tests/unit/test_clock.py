@@ -151,3 +151,14 @@ def test_an_admission_still_waiting_when_its_owner_is_settled_is_refused():
         assert not clock.try_admit({"a": 1}, owner="r2", round_id="late")
 
     asyncio.run(go())
+
+
+def test_rewind_re_derives_issued_units_and_only_goes_back():
+    clock = VersionClock({"a": (2, 1)})
+    clock.set_version("a", 5)
+    assert clock.try_admit({"a": 2}, owner="r", round_id="open")  # in flight: 2 units
+    clock.rewind("a", 4, held_units=3)  # checkpoint v4; the recovered buffer holds 3 units
+    assert clock.snapshot()["a"]["version"] == 4
+    assert clock.snapshot()["a"]["issued_units"] == 4 * 2 + 3 + 2
+    with pytest.raises(ValueError, match="only goes back"):
+        clock.rewind("a", 6, held_units=0)
