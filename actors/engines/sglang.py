@@ -186,6 +186,9 @@ class SGLangEngine:
         self.weight_version = 0
         self.restarts = 0  # total over the engine's life
         self.busy_probes = 0  # failed probes of a live server that was making progress
+        # weight updates applied while requests ran, whose prefix cache the server could not
+        # flush then (flushed later): cached prefixes of the old weights may serve a while
+        self.unflushed_updates = 0
         self.startup_seconds: float | None = None  # duration of the last successful start
         self._port: int | None = None
         self._proc: subprocess.Popen | None = None
@@ -295,7 +298,7 @@ class SGLangEngine:
     def stats(self) -> dict:
         """Supervision counters for the run summary and TensorBoard (all numbers)."""
         return {"restarts": self.restarts, "restarts_last_hour": self._restart_budget.recent(),
-                "busy_probes": self.busy_probes,
+                "busy_probes": self.busy_probes, "unflushed_updates": self.unflushed_updates,
                 "last_progress_age_s": time.monotonic() - self._progress.last_progress,
                 "weight_version": self.weight_version}
 
@@ -418,7 +421,17 @@ class SGLangEngine:
         self._progress.answered(self.pid)  # it answered, whatever it said
         body = response.json() if response.headers.get("content-type", "").startswith(
             "application/json") else {"message": response.text}
-        if response.status_code != 200 or not body.get("success", False):
+        if "cache was not flushed" in str(body.get("message", "")):
+            # The server loaded the weights but kept its prefix cache because requests were
+            # running. The rows it generates still carry the logprobs they were sampled with,
+            # so training stays correct; the cache is flushed when the server is idle.
+            self.unflushed_updates += 1
+            log.warning("engine %s: v%d loaded, prefix cache not flushed (requests running); "
+                        "%d such updates", self.model_id, version, self.unflushed_updates)
+            flushed = self._http.post(f"{self.url}/flush_cache", timeout=30)
+            body = {"success": True, "message": body.get("message"),
+                    "cache_flushed": flushed.status_code == 200}
+        elif response.status_code != 200 or not body.get("success", False):
             raise RuntimeError(
                 f"engine {self.model_id} refused weights {path} (version {version}): "
                 f"HTTP {response.status_code}: {body.get('message', body)}"
