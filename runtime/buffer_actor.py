@@ -101,6 +101,11 @@ class BufferActor(ReplayBuffer):
             self._changed = None
 
 
+def leave_resume_file(wal_dir: str | Path, version: int) -> None:
+    """Have the buffer over `wal_dir` roll back to `version` when it is next (re)created."""
+    resume_file_of(wal_dir).write_text(json.dumps({"version": version}))
+
+
 def resume_file_of(wal_dir: str | Path) -> Path:
     """`buffer/<model>.resume.json`, beside the model's log folder (not inside it)."""
     wal_dir = Path(wal_dir)

@@ -27,22 +27,21 @@ from pathlib import Path
 import ray
 
 from actors.coach import CoachPool, build_coach
-from actors.coach.pool import journaled_requests
 from actors.engines.sglang import SGLangEngine
 from actors.workflows import build_workflow
 from buffers.clock import VersionClock
 from runtime.accounting import _add_counts, close_books, row_accounting
-from runtime.buffer_actor import BufferActor
+from runtime.buffer_actor import BufferActor, leave_resume_file
 from runtime.bus_service import BusService
 from runtime.config import TroupeConfig, to_yaml
 from runtime.control import RunControl
 from runtime.dtype import resolve_dtype
-from runtime.buffer_actor import resume_file_of
 from runtime.learner_worker import LearnerWorker, complete_checkpoints
 from runtime.metrics import MetricsWriter
 from runtime.models import resolve_model
 from runtime.rollout_host import BufferCommit, RayRolloutPorts, RolloutHost
-from runtime.resume import ResumePlan, leave_resume_files, plan_resume, restore_parts
+from runtime.resume import (ResumePlan, leave_resume_files, plan_resume, resend_coach_requests,
+                            restore_parts)
 from runtime.stall import Snapshot, diagnose
 
 log = logging.getLogger("troupe")
@@ -93,6 +92,7 @@ class Run:
         self.draining: dict[int, float] = {}  # scaled-down actors finishing their rounds -> since
         self.retired_episodes = 0  # episodes played by actors removed by a scale-down
         self.restarts = 0
+        self.spawned = 0  # rollout actors ever started (their owner names stay unique)
         self.restart_times: deque[float] = deque()  # failures within the last hour (the budget)
         self.state = "starting"  # starting | running | stopping | finished | failed (events/status)
         self.bus: BusService | None = None
@@ -173,7 +173,7 @@ class Run:
 
     def spawn_rollout(self, index: int) -> None:
         cfg = self.cfg
-        self.spawned = getattr(self, "spawned", 0) + 1
+        self.spawned += 1
         owner = f"rollout-{index}-{self.spawned}"  # unique per actor ever started
         actor = ray.remote(RolloutHost).options(
             num_cpus=cfg.run.rollout_cpus, max_concurrency=1000).remote(
@@ -288,8 +288,7 @@ class Run:
         learner, buffer = self.learners[model_id], self.buffers[model_id]
         found = complete_checkpoints(self.run_dir / "checkpoints" / model_id)
         version = found[-1] if found else 0
-        wal_dir = self.run_dir / "buffer" / model_id
-        resume_file_of(wal_dir).write_text(json.dumps({"version": version}))
+        leave_resume_file(self.run_dir / "buffer" / model_id, version)
         before = self.buffer_incarnations[model_id]
         ray.kill(buffer, no_restart=False)  # Ray restarts it over its log, rolling back
         deadline = time.monotonic() + 300
@@ -301,21 +300,14 @@ class Run:
         self.buffer_incarnations[model_id] = self._buffer_call(model_id, "incarnation")
         held = self._buffer_call(model_id, "held_units")
         ray.get(self.clock.rewind.remote(model_id, version, held))
-        while True:  # Ray is re-creating the learner (building a model takes a while)
-            try:
-                ray.get(learner.progress.remote())
-                break
-            except ray.exceptions.RayActorError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(1.0)
+        # Ray is re-creating the learner (building a model takes a while)
+        self._call_until_up(learner, "progress", what=f"learner {model_id}",
+                            limit_s=deadline - time.monotonic())
         ray.get(learner.restore.remote(str(self.run_dir / "checkpoints" / model_id /
                                            f"v{version}") if found else None))
         self.control.rewound(model_id, version)
-        pending = set(self._buffer_call(model_id, "pending_step_ids"))
-        journal = self.run_dir / "coach_requests.jsonl"
-        if pending and journal.is_file():
-            ray.get(self.coach.submit.remote(journaled_requests(str(journal), pending), True))
+        resend_coach_requests(self.run_dir, self.coach,
+                              set(self._buffer_call(model_id, "pending_step_ids")), resend=True)
         self.learner_recoveries.append({"model": model_id, "version": version,
                                         "seconds": time.time() - started,
                                         "recovery": self._buffer_call(model_id, "recovery")})
@@ -371,7 +363,7 @@ class Run:
         return Snapshot(
             at=time.time(),
             learners=dict(zip(self.learners, learners)),
-            buffers={m: asdict(self._buffer_stats(m)) for m in self.buffers},
+            buffers={m: asdict(self._buffer_call(m, "stats")) for m in self.buffers},
             clock=ray.get(self.clock.snapshot.remote()),
             coach=coach if coach is not None else ray.get(self.coach.stats.remote()),
             rollouts=self._rollout_stats(),
@@ -388,30 +380,31 @@ class Run:
                 continue
             self.buffer_restarts[model_id] = self.buffer_restarts.get(model_id, 0) + 1
             pending = set(self._buffer_call(model_id, "pending_step_ids"))
-            journal = self.run_dir / "coach_requests.jsonl"
-            requests = journaled_requests(str(journal), pending) if journal.is_file() else []
-            if requests:
-                ray.get(self.coach.submit.remote(requests, True))
+            sent = resend_coach_requests(self.run_dir, self.coach, pending, resend=True)
             log.warning("buffer %s was restarted and recovered from its log: %s; %d of %d "
                         "pending rows sent to the coach again", model_id,
-                        self._buffer_call(model_id, "recovery"), len(requests), len(pending))
+                        self._buffer_call(model_id, "recovery"), sent, len(pending))
             self.control.publish_error("buffer_restarted", f"buffer {model_id} recovered "
-                                       f"from its log; {len(requests)} coach requests re-sent")
-
-    def _buffer_stats(self, model_id: str, limit_s: float = 180.0):
-        return self._buffer_call(model_id, "stats", limit_s=limit_s)
+                                       f"from its log; {sent} coach requests re-sent")
 
     def _buffer_call(self, model_id: str, method: str, *args, limit_s: float = 180.0):
         """Call a buffer, waiting while Ray restarts it (a call in flight at its crash
         fails; later ones queue until it has recovered from its log)."""
+        return self._call_until_up(self.buffers[model_id], method, *args,
+                                   what=f"buffer {model_id}", limit_s=limit_s)
+
+    @staticmethod
+    def _call_until_up(actor, method: str, *args, what: str, limit_s: float):
+        """`ray.get(actor.method(*args))`, retried every second for `limit_s` while the
+        actor's process is dead and Ray restarts it; then the actor's error is raised."""
         deadline = time.monotonic() + limit_s
         while True:
             try:
-                return ray.get(getattr(self.buffers[model_id], method).remote(*args))
+                return ray.get(getattr(actor, method).remote(*args))
             except ray.exceptions.RayActorError as exc:
                 if time.monotonic() > deadline:
                     raise
-                log.warning("buffer %s unavailable (%s); waiting for its restart", model_id,
+                log.warning("%s unavailable (%s); waiting for its restart", what,
                             type(exc).__name__)
                 time.sleep(1.0)
 

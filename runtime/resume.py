@@ -110,12 +110,32 @@ def restored_task_cursor(plan: ResumePlan) -> int:
 
 def leave_resume_files(plan: ResumePlan) -> None:
     """Tell each model's buffer, before it is created, which version the learner resumes at."""
-    from runtime.buffer_actor import resume_file_of
+    from runtime.buffer_actor import leave_resume_file
 
     for model_id, version in plan.versions.items():
         wal_dir = Path(plan.run_dir) / "buffer" / model_id
         if wal_dir.is_dir():
-            resume_file_of(wal_dir).write_text(json.dumps({"version": version}))
+            leave_resume_file(wal_dir, version)
+
+
+def resend_coach_requests(run_dir: str | Path, coach, pending: set[str], resend: bool) -> int:
+    """Send the coach again the journaled requests of the rows `pending` a score (their
+    scores died with a process); returns how many were sent. `resend`: the pool has seen
+    these step_ids before (a restarted buffer or learner in a live run)."""
+    import ray
+
+    from actors.coach.pool import journaled_requests
+
+    journal = Path(run_dir) / "coach_requests.jsonl"
+    if not pending or not journal.is_file():
+        return 0
+    requests = journaled_requests(str(journal), pending)
+    if len(requests) < len(pending):
+        log.warning("%d pending rows have no journaled coach request; they time out "
+                    "(counted) in their buffer", len(pending) - len(requests))
+    if requests:
+        ray.get(coach.submit.remote(requests, resend))
+    return len(requests)
 
 
 def restore_parts(run, plan: ResumePlan) -> None:
@@ -124,8 +144,6 @@ def restore_parts(run, plan: ResumePlan) -> None:
     import time
 
     import ray
-
-    from actors.coach.pool import journaled_requests
 
     started = time.perf_counter()
     cfg = run.cfg
@@ -140,18 +158,10 @@ def restore_parts(run, plan: ResumePlan) -> None:
         plan.versions, restored_etas(cfg, plan), issued,
         restored_ledger(plan, {m: s.rows_added for m, s in stats.items()}),
         restored_task_cursor(plan)))
-    journal = Path(plan.run_dir) / "coach_requests.jsonl"
     pending = set()
     for model_id in models:
         pending.update(ray.get(run.buffers[model_id].pending_step_ids.remote()))
-    if pending and journal.is_file():
-        requests = journaled_requests(str(journal), pending)
-        if len(requests) < len(pending):
-            log.warning("resume: %d pending rows have no journaled coach request; they time "
-                        "out (counted) in their buffer", len(pending) - len(requests))
-        if requests:
-            ray.get(run.coach.submit.remote(requests))
-        plan.coach_resent = len(requests)
+    plan.coach_resent = resend_coach_requests(plan.run_dir, run.coach, pending, resend=False)
     ray.get([run.learners[m].restore.remote(path) for m, path in plan.checkpoints.items()
              if path is not None])
     plan.seconds = time.perf_counter() - started
