@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 import ray
@@ -134,4 +135,4 @@ class RolloutHost:
         return await self.actor.drain(timeout_s, reason)
 
     async def stats(self) -> dict:
-        return self.actor.stats()
+        return {**self.actor.stats(), "pid": os.getpid()}

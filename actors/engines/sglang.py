@@ -300,7 +300,8 @@ class SGLangEngine:
         return {"restarts": self.restarts, "restarts_last_hour": self._restart_budget.recent(),
                 "busy_probes": self.busy_probes, "unflushed_updates": self.unflushed_updates,
                 "last_progress_age_s": time.monotonic() - self._progress.last_progress,
-                "weight_version": self.weight_version}
+                "weight_version": self.weight_version,
+                "pid": self.pid or 0}  # the server's process group (0 when stopped)
 
     def _ensure_alive(self) -> str:
         if self._proc is None:
