@@ -76,16 +76,25 @@ def grpo(
 
 
 def at_grpo_rewards(
-    reward_team: np.ndarray, reward_local: np.ndarray, reward: np.ndarray, alpha: float
+    reward_team: np.ndarray,
+    reward_local: np.ndarray,
+    reward: np.ndarray,
+    alpha: float,
+    lam: float | None = None,
 ) -> np.ndarray:
-    """Mixed reward of AT-GRPO eq. 4: r = α·r_team + r_local.
+    """Mixed reward of AT-GRPO: eq. 4, r = α·r_team + r_local, or, with `lam`, the λ-mix of
+    appendix A.1.1–A.1.5, r = λ·r_team + (1−λ)·m·r_local.
 
-    Nulls are NaN. A missing component counts as 0 only when the other one is present; a row
-    with neither falls back to its combined `reward`.
+    Nulls are NaN. The verifiability mask m of the appendix is the presence of `reward_local`:
+    an environment that cannot check an action (m = 0) leaves its local reward null. A
+    missing component counts as 0 only when the other one is present; a row with neither
+    falls back to its combined `reward`.
 
     Args:
         reward_team, reward_local, reward: float [N], NaN where null.
-        alpha: the team weight α.
+        alpha: the team weight α of eq. 4 (unused when `lam` is given).
+        lam: the appendix's λ ∈ [0, 1] (0.6 sudoku, 0.5 plan-path, 0.4 sokoban, 0.7 math);
+            None selects eq. 4.
 
     Returns:
         float64 [N] (NaN where a row has no reward at all).
@@ -93,7 +102,11 @@ def at_grpo_rewards(
     team = np.asarray(reward_team, dtype=np.float64)
     local = np.asarray(reward_local, dtype=np.float64)
     has_component = ~np.isnan(team) | ~np.isnan(local)
-    mixed = alpha * np.nan_to_num(team, nan=0.0) + np.nan_to_num(local, nan=0.0)
+    team0, local0 = np.nan_to_num(team, nan=0.0), np.nan_to_num(local, nan=0.0)
+    if lam is None:
+        mixed = alpha * team0 + local0
+    else:
+        mixed = lam * team0 + (1.0 - lam) * local0
     return np.where(has_component, mixed, np.asarray(reward, dtype=np.float64))
 
 
@@ -104,8 +117,10 @@ def at_grpo(
     group_ids: Sequence[Hashable],
     alpha: float = 1.0,
     std_normalize: bool = True,
+    lam: float | None = None,
 ) -> np.ndarray:
-    """AT-GRPO advantage: eq. 4 mixed reward, then eq. 1 over agent- and turn-wise groups.
+    """AT-GRPO advantage: the mixed reward (eq. 4, or the appendix's λ-mix when `lam` is
+    given), then eq. 1 over agent- and turn-wise groups.
 
     The group key already encodes (task, round, parent branch, agent, turn) (DESIGN §4), so
     this is `grpo` over `group_ids` of `at_grpo_rewards`.
@@ -113,7 +128,7 @@ def at_grpo(
     Returns:
         float32 [N].
     """
-    mixed = at_grpo_rewards(reward_team, reward_local, reward, alpha)
+    mixed = at_grpo_rewards(reward_team, reward_local, reward, alpha, lam)
     return grpo(mixed, group_ids, std_normalize=std_normalize)
 
 
@@ -303,6 +318,7 @@ def _at_grpo_from_table(
         table.column("group_key").to_pylist(),
         alpha=cfg.team_alpha,
         std_normalize=cfg.std_normalize,
+        lam=cfg.team_lambda,
     )
 
 
@@ -336,7 +352,8 @@ def compute_advantages(
     """One advantage per row of `table` with the estimator named by `cfg.advantage`.
 
     Args:
-        cfg: learner config (advantage, std_normalize, team_alpha, reward_kl_beta).
+        cfg: learner config (advantage, std_normalize, team_alpha, team_lambda,
+            reward_kl_beta).
         table: rows in STEP_SCHEMA, every one rewarded.
         kl: optional float [N] per-action KL to the reference policy; only reinforce_pp uses
             it (MAPPA eq. 1, weighted by `cfg.reward_kl_beta`, which then requires it).

@@ -50,6 +50,8 @@ class LearnerConfig:
     advantage: str = "grpo"  # estimator: "grpo" | "at_grpo" | "reinforce_pp"
     std_normalize: bool = True  # divide group advantages by the group std (False = Dr.GRPO)
     team_alpha: float = 1.0  # AT-GRPO eq. 4 weight α of the team reward: r = α·r_team + r_local
+    # AT-GRPO appendix λ-mix r = λ·r_team + (1−λ)·m·r_local instead of eq. 4 (null = eq. 4)
+    team_lambda: float | None = None
     reward_kl_beta: float = 0.0  # MAPPA eq. 1 β: KL penalty folded into reinforce_pp rewards
     entropy_coef: float = 0.0  # weight of the entropy bonus subtracted from the loss (exploration)
     kl_beta: float = 0.0  # weight of the k3 KL(π_θ‖π_ref) term in the loss; > 0 loads a reference
@@ -86,6 +88,13 @@ class LearnerConfig:
                      "grad_clip"):
             value = getattr(self, name)
             _check(math.isfinite(value) and value >= 0, name, value, "use a finite value ≥ 0")
+        if self.team_lambda is not None:
+            _check(math.isfinite(self.team_lambda) and 0 <= self.team_lambda <= 1,
+                   "team_lambda", self.team_lambda, "use a value in [0, 1], or null for eq. 4")
+            _check(self.advantage == "at_grpo", "team_lambda", self.team_lambda,
+                   "it only applies to advantage='at_grpo'; set it to null")
+            _check(self.team_alpha == 1.0, "team_alpha", self.team_alpha,
+                   "team_lambda replaces eq. 4's α; leave team_alpha at 1.0 or team_lambda null")
         _check(
             self.reward_kl_beta == 0 or self.advantage == "reinforce_pp",
             "reward_kl_beta",

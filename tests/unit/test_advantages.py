@@ -95,6 +95,36 @@ def test_at_grpo_from_table():
     np.testing.assert_allclose(adv, [1 / math.sqrt(2), 0.0, -1 / math.sqrt(2)], rtol=1e-5)
 
 
+def test_at_grpo_lambda_mix_per_appendix():
+    # Sudoku's λ = 0.6 (appendix A.1.3): r = 0.6·r_team + 0.4·m·r_local, m = 0 where the
+    # environment could not check the action (local reward null).
+    team = np.array([1.0, 0.0, 0.0, NAN])
+    local = np.array([0.5, 0.85, NAN, NAN])
+    reward = np.array([9.0, 9.0, 9.0, 0.3])
+    mixed = at_grpo_rewards(team, local, reward, alpha=1.0, lam=0.6)
+    np.testing.assert_allclose(mixed, [0.6 + 0.2, 0.34, 0.0, 0.3])
+
+
+def test_at_grpo_lambda_mix_from_table():
+    k = group_key("t", "0", "", "a", 0)
+    records = [make_record(0, key=k, reward_team=1.0, reward_local=1.0),
+               make_record(1, key=k, reward_team=0.0, reward_local=0.5)]
+    # λ = 0.5 (plan-path, A.1.4): rewards 1.0 and 0.25 -> ±(0.375 / sample std 0.53033) = ±1/√2
+    cfg = LearnerConfig(advantage="at_grpo", team_lambda=0.5)
+    adv = compute_advantages(cfg, records_to_table(records))
+    np.testing.assert_allclose(adv, [1 / math.sqrt(2), -1 / math.sqrt(2)], rtol=1e-5)
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"advantage": "at_grpo", "team_lambda": 1.5}, "team_lambda=1.5"),
+    ({"advantage": "grpo", "team_lambda": 0.6}, "only applies to advantage='at_grpo'"),
+    ({"advantage": "at_grpo", "team_lambda": 0.6, "team_alpha": 2.0}, "team_alpha=2.0"),
+])
+def test_team_lambda_is_checked(fields, match):
+    with pytest.raises(ValueError, match=match):
+        LearnerConfig(**fields)
+
+
 # --- reinforce_pp -----------------------------------------------------------------------------
 
 def _rpp_rows():
