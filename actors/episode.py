@@ -80,11 +80,15 @@ class _Draft:
 class ModelRoute:
     """An agent's route to its model: engine clients (round-robin) and the tokenizer."""
 
-    def __init__(self, model_id: str, clients: list[Generator], tokenizer) -> None:
+    def __init__(self, model_id: str, clients: list[Generator], tokenizer,
+                 template_kwargs: dict[str, Any] | None = None) -> None:
+        """`template_kwargs` go to the model's chat template (ModelConfig.chat_template_kwargs),
+        e.g. `{"enable_thinking": False}`, Qwen3's switch that AT-GRPO turns off (§5)."""
         if not clients:
             raise ValueError(f"model {model_id!r} has no engine client")
         self.model_id = model_id
         self.tokenizer = tokenizer
+        self.template_kwargs = dict(template_kwargs or {})
         self._clients = itertools.cycle(clients)
 
     def next_client(self) -> Generator:
@@ -100,7 +104,7 @@ class ModelRoute:
             text = messages
         else:  # render then encode once: the exact ids sent to the engine are the ones stored
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                      tokenize=False)
+                                                      tokenize=False, **self.template_kwargs)
         return list(self.tokenizer(text + prefix, add_special_tokens=False)["input_ids"])
 
     def decode(self, ids: np.ndarray) -> str:

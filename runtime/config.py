@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -36,6 +37,8 @@ class ModelConfig:
     # estimator, loss, optimizer; dtype "auto" as the engine's
     learner: LearnerConfig = field(default_factory=lambda: LearnerConfig(dtype="auto"))
     buffer: BufferConfig = field(default_factory=BufferConfig)  # replay buffer capacity, readiness
+    # extra arguments of this model's chat template, e.g. {enable_thinking: false} for Qwen3
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.engines < 1:

@@ -178,7 +178,8 @@ class Run:
         actor = ray.remote(RolloutHost).options(
             num_cpus=cfg.run.rollout_cpus, max_concurrency=1000).remote(
             cfg.rollout, cfg.workflow, self.run_id, index, self.urls, self.model_paths,
-            self.ports, self.readiness, owner)
+            self.ports, self.readiness, owner,
+            {m: dict(mc.chat_template_kwargs) for m, mc in cfg.models.items()})
         self.rollouts[index] = actor
         self.owners[index] = owner
         self.rollout_refs[actor.run.remote()] = index

@@ -112,14 +112,16 @@ class RolloutHost:
     def __init__(self, cfg: RolloutConfig, workflow_cfg: WorkflowConfig, run_id: str,
                  actor_index: int, engine_urls: dict[str, list[str]],
                  model_paths: dict[str, str], ports: RayRolloutPorts,
-                 readiness: dict[str, str], owner: str) -> None:
+                 readiness: dict[str, str], owner: str,
+                 template_kwargs: dict[str, dict] | None = None) -> None:
         from transformers import AutoTokenizer
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
         routes = {
             model_id: ModelRoute(model_id, [EngineClient(url) for url in urls],
-                                 AutoTokenizer.from_pretrained(model_paths[model_id]))
+                                 AutoTokenizer.from_pretrained(model_paths[model_id]),
+                                 (template_kwargs or {}).get(model_id))
             for model_id, urls in engine_urls.items()
         }
         self.actor = RolloutActor(cfg, workflow_cfg, run_id, actor_index, routes,

@@ -483,7 +483,8 @@ async def evaluate(args: argparse.Namespace, cfg: TroupeConfig, run_dir: Path,
 
     workflow = build_workflow(cfg.workflow)
     clients = {m: EngineClient(e.url) for m, e in engines.items()}
-    routes = {m: ModelRoute(m, [clients[m]], AutoTokenizer.from_pretrained(e.model_path))
+    routes = {m: ModelRoute(m, [clients[m]], AutoTokenizer.from_pretrained(e.model_path),
+                            cfg.models[m].chat_template_kwargs)
               for m, e in engines.items()}
     coach = CoachScores(cfg, workflow)
     player = Player(cfg, workflow, routes, coach, SamplingParams(args.temperature, 1.0),

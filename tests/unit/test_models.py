@@ -78,3 +78,20 @@ def test_unknown_names_are_rejected_with_the_known_ones(tmp_path):
     with pytest.raises(FileNotFoundError, match="tiny"):
         resolve_model(str(tmp_path / "missing"))
     assert resolve_model(str(provision_tiny(tmp_path))) == provision_tiny(tmp_path)
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_path):
+    """ModelConfig.chat_template_kwargs (e.g. Qwen3's enable_thinking, which AT-GRPO turns
+    off) are passed to the model's template by the route that encodes every prompt."""
+    from actors.episode import ModelRoute
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    # Qwen3's switch, reduced to its effect: an empty think block closes the prompt when off.
+    tokenizer.chat_template = (tokenizer.chat_template + "{% if enable_thinking is defined and "
+                               "not enable_thinking %}<think>\n\n</think>\n\n{% endif %}")
+    thinking = ModelRoute("m", [object()], tokenizer)
+    plain = ModelRoute("m", [object()], tokenizer, {"enable_thinking": False})
+    with_thinking, without = thinking.encode(CHAT), plain.encode(CHAT)
+    # the same prompt, then the closed think block's tokens
+    assert without[:len(with_thinking)] == with_thinking
+    assert len(without) > len(with_thinking)
