@@ -260,10 +260,15 @@ class RolloutActor:
             await self.ports.submit_coach(requests)
 
     def _report(self, results: list[dict[str, float]]) -> None:
+        """Means over the round's episodes: `episode/<workflow>/<key>`, except the per-agent
+        behaviour keys a workflow returns as `behavior/<agent>/<metric>` (DESIGN §9), which
+        keep their name. A key some episodes lack (e.g. turns to solve of unsolved ones) is
+        averaged over the episodes that have it."""
         scalars: dict[str, float] = {}
-        for key in results[0]:
-            scalars[f"episode/{self.workflow.name}/{key}"] = (
-                sum(r[key] for r in results) / len(results))
+        for key in dict.fromkeys(k for r in results for k in r):
+            values = [r[key] for r in results if key in r]
+            name = key if key.startswith("behavior/") else f"episode/{self.workflow.name}/{key}"
+            scalars[name] = sum(values) / len(values)
         self.ports.report(scalars)
 
     def stats(self) -> dict:
