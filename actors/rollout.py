@@ -260,16 +260,7 @@ class RolloutActor:
             await self.ports.submit_coach(requests)
 
     def _report(self, results: list[dict[str, float]]) -> None:
-        """Means over the round's episodes: `episode/<workflow>/<key>`, except the per-agent
-        behaviour keys a workflow returns as `behavior/<agent>/<metric>` (DESIGN §9), which
-        keep their name. A key some episodes lack (e.g. turns to solve of unsolved ones) is
-        averaged over the episodes that have it."""
-        scalars: dict[str, float] = {}
-        for key in dict.fromkeys(k for r in results for k in r):
-            values = [r[key] for r in results if key in r]
-            name = key if key.startswith("behavior/") else f"episode/{self.workflow.name}/{key}"
-            scalars[name] = sum(values) / len(values)
-        self.ports.report(scalars)
+        self.ports.report(episode_scalars(self.workflow.name, results))
 
     def stats(self) -> dict:
         elapsed = max(time.time() - self.started_at, 1e-9)
@@ -283,3 +274,16 @@ class RolloutActor:
             "admission_waits": self.admission_waits,
             "backpressure_waits": self.backpressure_waits,
         }
+
+
+def episode_scalars(workflow: str, results: list[dict[str, float]]) -> dict[str, float]:
+    """Means over a round's episode results: `episode/<workflow>/<key>`, except the per-agent
+    behaviour keys a workflow returns as `behavior/<agent>/<metric>` (DESIGN §9), which keep
+    their name. A key some episodes lack (e.g. turns to solve of unsolved ones) is averaged
+    over the episodes that have it."""
+    scalars: dict[str, float] = {}
+    for key in dict.fromkeys(k for r in results for k in r):
+        values = [r[key] for r in results if key in r]
+        name = key if key.startswith("behavior/") else f"episode/{workflow}/{key}"
+        scalars[name] = sum(values) / len(values)
+    return scalars

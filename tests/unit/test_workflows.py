@@ -104,3 +104,15 @@ def test_workflow_params_are_checked_by_the_workflows_own_config():
         build_workflow(WorkflowConfig(name="arith_duo", params={"no_such_field": 1}))
     with pytest.raises(ValueError, match="workflow.name='nope' is unknown"):
         build_workflow(WorkflowConfig(name="nope"))
+
+
+def test_episode_scalars_namespace_and_average_present_keys():
+    from actors.rollout import episode_scalars
+
+    results = [{"success": 1.0, "turns_to_solve": 2.0, "behavior/tool/tool_call_rate": 1.0},
+               {"success": 0.0, "behavior/tool/tool_call_rate": 0.5}]
+    assert episode_scalars("sudoku", results) == {
+        "episode/sudoku/success": 0.5,
+        "episode/sudoku/turns_to_solve": 2.0,  # only the solved episode has it
+        "behavior/tool/tool_call_rate": 0.75,
+    }
