@@ -9,6 +9,9 @@ the learner, not the rollouts, limits throughput.
 
     python scripts/bench_elastic.py                       # tiny model, ~5 min
     python scripts/bench_elastic.py --config configs/arith_duo_cpu.yaml --window 120
+    # rollout-bound: a 3 s judge inside every episode, so more actors mean more episodes/s
+    python scripts/bench_elastic.py --window 45 --warmup 15 rollout.sync_coach=true \
+        coach.latency_s=3 rollout.concurrency=2 models.policy.learner.max_staleness=16
 """
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ class ToolResult:
     tripped: str | None = None  # the sandbox limit that ended the run, if any
     wall_s: float = 0.0
     infra_error: str = ""  # the sandbox itself failed (not the model's code)
+    stdout: str = ""  # the program's printed output alone (what an environment reads)
 
     def meta(self) -> dict[str, Any]:
         """Row annotations (Episode.annotate): what evaluation and metrics count."""
@@ -84,7 +85,7 @@ class CodeTool:
             return ToolResult(True, False, "The code could not be run: the tool is unavailable.",
                               infra_error=str(exc)[:500])
         return ToolResult(True, result.ok, result.observation(self.observation_chars),
-                          result.tripped, result.wall_s)
+                          result.tripped, result.wall_s, stdout=result.stdout)
 
     async def call(self, episode, action, workspace: Workspace) -> ToolResult:
         """Run an action's code and record it on its row (annotations; FAILED on a sandbox
