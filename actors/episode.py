@@ -261,6 +261,12 @@ class Episode:
         if repeated:
             raise ValueError(f"actions {repeated} were already sent to the coach: a row's "
                              "reward is committed exactly once")
+        # An inline `reward` completes a row; a coach score would overwrite it (synchronous
+        # mode) or be refused by the buffer (asynchronous mode).
+        rewarded = [a.step_id for a in actions if "reward" in self._drafts[a.step_id].rewards]
+        if rewarded:
+            raise ValueError(f"actions {rewarded} already have an inline reward "
+                             "(Episode.reward): a row's reward is committed exactly once")
         self._coached.update(a.step_id for a in actions)
         requests = [CoachRequest(
             step_id=a.step_id, model_id=self.agent_models[a.agent], agent=a.agent,

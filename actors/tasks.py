@@ -45,7 +45,7 @@ import os
 import random
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 import math_verify
 import pyarrow.parquet as pq
@@ -107,6 +107,20 @@ class TaskConfig:
         if self.eval_size < 0:
             raise ValueError(f"workflow.tasks.eval_size={self.eval_size}: use >= 0 "
                              "(0 = no generated eval set)")
+
+
+@runtime_checkable
+class TaskSplits(Protocol):
+    """A finite task set with its own train/eval split that a workflow ships (HumanEval, read
+    from its wheel). Given to TaskSource as its `generator` (it is callable as one), it is
+    served as a task file's split is: epochs, seeded shuffles, shards, train minus eval prompts.
+    """
+
+    def __call__(self, rng: random.Random, index: int) -> Task: ...
+
+    def split_tasks(self, train: bool) -> list[Task]:
+        """The train (True) or eval (False) tasks, in a fixed order."""
+        ...
 
 
 class TasksExhausted(Exception):
@@ -241,8 +255,9 @@ class TaskSource:
 
     `seed` must be the same for every shard (it orders the epochs they partition). A task file
     takes precedence over `generator`; the generator, `make_task(rng, index)`, is used when
-    `cfg.path` is "". Attributes: `epoch` (0-based, files' train split), `skipped_overlap`
-    (train tasks dropped or skipped because their prompt is an eval prompt).
+    `cfg.path` is "" (a `TaskSplits` generator is served as a file is). Attributes: `epoch`
+    (0-based, files' train split), `skipped_overlap` (train tasks dropped or skipped because
+    their prompt is an eval prompt).
     """
 
     def __init__(self, cfg: TaskConfig, split: str, *,
@@ -263,7 +278,10 @@ class TaskSource:
         self.skipped_overlap = 0
         self._position = 0  # next position in this shard's part of the epoch or stream
         self._shared_epoch, self._shared_order = -1, []  # task_at's cached epoch order
-        self._generator = None if cfg.path else generator
+        # a set the workflow ships (TaskSplits) is served like a file; a file wins over both
+        self._shipped = generator if not cfg.path and isinstance(generator, TaskSplits) \
+            else None
+        self._generator = None if cfg.path or self._shipped is not None else generator
         if self._generator is None:
             self._tasks = self._file_tasks()
             self._order = self._epoch_order()
@@ -355,12 +373,18 @@ class TaskSource:
 
     def _file_tasks(self) -> list[Task]:
         cfg = self.cfg
-        tasks = _records_to_tasks(load_records(cfg.path, self.split, cfg), self.split, cfg,
-                                  cfg.path)
+        if self._shipped is not None:
+            tasks = self._shipped_tasks(self.is_train)
+        else:
+            tasks = _records_to_tasks(load_records(cfg.path, self.split, cfg), self.split, cfg,
+                                      cfg.path)
         if not self.is_train:
             return tasks
-        eval_records = _split_records(cfg.path, cfg.eval_split, cfg, required=False)
-        eval_prompts = {_same_prompt_key(str(r[cfg.prompt_field])) for r in eval_records}
+        if self._shipped is not None:
+            eval_prompts = {_same_prompt_key(t.prompt) for t in self._shipped_tasks(False)}
+        else:
+            eval_records = _split_records(cfg.path, cfg.eval_split, cfg, required=False)
+            eval_prompts = {_same_prompt_key(str(r[cfg.prompt_field])) for r in eval_records}
         kept = [task for task in tasks if _same_prompt_key(task.prompt) not in eval_prompts]
         self.skipped_overlap = len(tasks) - len(kept)
         if self.skipped_overlap:
@@ -370,6 +394,12 @@ class TaskSource:
             raise ValueError(f"{cfg.path}: every train task is also an eval task; give the "
                              "splits different problems")
         return kept
+
+    def _shipped_tasks(self, train: bool) -> list[Task]:
+        """The shipped set's train or eval tasks, labelled with the configured split name."""
+        split = self.cfg.train_split if train else self.cfg.eval_split
+        return [dataclasses.replace(task, extra={**task.extra, "split": split})
+                for task in self._shipped.split_tasks(train)]
 
     def _epoch_order(self) -> list[int]:
         """This shard's positions of the epoch: every num_shards-th of one shared order."""
