@@ -124,6 +124,7 @@ class Episode:
                  round_size: int, round_index: int, group_size: int,
                  agent_models: dict[str, str],
                  routes: dict[str, ModelRoute], sampling: SamplingParams,
+                 agent_sampling: dict[str, SamplingParams] | None = None,
                  truth: str | None = None, problem: str = "",
                  sync_scorer: Callable[[list[CoachRequest]], Awaitable[dict[str, Any]]]
                  | None = None) -> None:
@@ -137,7 +138,8 @@ class Episode:
         self.episode_id = new_id()
         self.agent_models = agent_models
         self.routes = routes
-        self.sampling = sampling
+        self.sampling = sampling  # every agent's, unless `agent_sampling` names the agent
+        self.agent_sampling = dict(agent_sampling or {})
         self.truth = truth
         self.problem = problem
         self.sync_scorer = sync_scorer
@@ -168,9 +170,10 @@ class Episode:
         model_id = self.agent_models[agent]
         route = self.routes[model_id]
         prompt_ids = route.encode(messages, prefix)
+        sampling = self.agent_sampling.get(agent, self.sampling)
         generations = await route.next_client().generate(
             prompt_ids, n=n, max_new_tokens=max_new_tokens,
-            temperature=self.sampling.temperature, top_p=self.sampling.top_p, stop=stop)
+            temperature=sampling.temperature, top_p=sampling.top_p, stop=stop)
         if len(generations) != n:
             raise RuntimeError(f"engine of {model_id} returned {len(generations)} candidates, "
                                f"asked for {n}")

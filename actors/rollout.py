@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from actors.episode import CoachRequest, Episode, ModelRoute, SamplingParams
@@ -28,12 +28,22 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class AgentSampling:
+    """One agent's sampling parameters; a null field takes the rollout-wide value."""
+
+    temperature: float | None = None  # must equal the learner temperature of the agent's model
+    top_p: float | None = None  # nucleus sampling mass (1.0 keeps behaviour logprobs exact)
+
+
+@dataclass
 class RolloutConfig:
     actors: int = 1  # rollout actors (R) at start, scaled independently of learners
     max_actors: int = 8  # the most a live scale-up (ctl.py scale-rollout) may run
     concurrency: int = 4  # concurrent rounds per actor (C)
     temperature: float = 1.0  # sampling temperature (the learner applies the same to logits)
     top_p: float = 1.0  # nucleus sampling mass; 1.0 keeps behaviour logprobs exact
+    # per-agent overrides of temperature / top_p, e.g. {tool: {temperature: 0.7}}
+    agent_sampling: dict[str, AgentSampling] = field(default_factory=dict)
     sync_coach: bool = False  # await the coach inside the episode (synchronous baseline)
     admission_wait_s: float = 1.0  # longest single wait for admission before re-checking stop/drain
     max_consecutive_failures: int = 20  # failed rounds in a row before the actor gives up
@@ -52,6 +62,20 @@ class RolloutConfig:
             raise ValueError(f"rollout.temperature={self.temperature}: must be > 0 (sampling only)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.top_p={self.top_p}: must be in (0, 1]")
+        for agent, spec in self.agent_sampling.items():
+            if spec.temperature is not None and spec.temperature <= 0:
+                raise ValueError(f"rollout.agent_sampling.{agent}.temperature="
+                                 f"{spec.temperature}: must be > 0 (sampling only)")
+            if spec.top_p is not None and not 0 < spec.top_p <= 1:
+                raise ValueError(f"rollout.agent_sampling.{agent}.top_p={spec.top_p}: "
+                                 "must be in (0, 1]")
+
+    def sampling_for(self, agent: str) -> SamplingParams:
+        """The agent's sampling parameters: its overrides, else the rollout-wide ones."""
+        spec = self.agent_sampling.get(agent, AgentSampling())
+        return SamplingParams(
+            self.temperature if spec.temperature is None else spec.temperature,
+            self.top_p if spec.top_p is None else spec.top_p)
 
 
 class RolloutPorts(Protocol):
@@ -86,7 +110,7 @@ class RolloutActor:
         self.ports = ports
         self.readiness = readiness  # model_id -> "group" | "episode"
         self.agent_models = dict(workflow_cfg.agents)
-        self.sampling = SamplingParams(cfg.temperature, cfg.top_p)
+        self.sampling = {agent: cfg.sampling_for(agent) for agent in self.agent_models}
         # the train split (a task file, or the workflow's generator), read at the indices the
         # clock hands out: one stream shared by every actor, however many run
         self.tasks = TaskSource(workflow_cfg.tasks, workflow_cfg.tasks.train_split,
@@ -174,7 +198,8 @@ class RolloutActor:
         return [Episode(run_id=self.run_id, workflow=self.workflow.name, task_id=task.task_id,
                         round_id=round_id, round_size=count, round_index=i, group_size=g,
                         agent_models=self.agent_models, routes=self.routes,
-                        sampling=self.sampling, truth=task.truth, problem=task.prompt,
+                        sampling=SamplingParams(self.cfg.temperature, self.cfg.top_p), agent_sampling=self.sampling,
+                        truth=task.truth, problem=task.prompt,
                         sync_scorer=self.ports.score_now if self.cfg.sync_coach else None)
                 for i in range(count)]
 

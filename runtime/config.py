@@ -119,6 +119,10 @@ class TroupeConfig:
             if model_id not in self.models:
                 raise ConfigError(f"workflow.agents.{agent}={model_id!r} is not a key of models "
                                   f"({sorted(self.models)})")
+        unknown = set(self.rollout.agent_sampling) - roles
+        if unknown:
+            raise ConfigError(f"rollout.agent_sampling names {sorted(unknown)}, which "
+                              f"{self.workflow.name} does not play ({sorted(roles)})")
         unused = set(self.models) - set(self.workflow.agents.values())
         if unused:
             raise ConfigError(f"models {sorted(unused)} are not used by any agent: remove them "
@@ -149,11 +153,24 @@ class TroupeConfig:
                     f"models.{model_id}.buffer.readiness={model.buffer.readiness!r} but "
                     f"advantage {model.learner.advantage!r} needs {want!r}: set "
                     f"models.{model_id}.buffer.readiness={want}")
-            if model.learner.temperature != self.rollout.temperature:
+            self._check_sampling_temperature(model_id, model.learner.temperature)
+
+    def _check_sampling_temperature(self, model_id: str, learner_temperature: float) -> None:
+        """The learner divides a model's logits by one temperature: every agent that samples
+        from the model must sample at it (rollout.temperature or its agent_sampling)."""
+        agents = sorted(a for a, m in self.workflow.agents.items() if m == model_id)
+        for agent in agents:
+            temperature = self.rollout.sampling_for(agent).temperature
+            if temperature != learner_temperature:
+                own = self.rollout.agent_sampling.get(agent)
+                where = (f"rollout.agent_sampling.{agent}.temperature"
+                         if own is not None and own.temperature is not None
+                         else "rollout.temperature")
                 raise ConfigError(
-                    f"models.{model_id}.learner.temperature={model.learner.temperature} differs "
-                    f"from rollout.temperature={self.rollout.temperature}: logprobs must be "
-                    "computed at the sampling temperature; set them equal")
+                    f"models.{model_id}.learner.temperature={learner_temperature} differs from "
+                    f"{where}={temperature} (agent {agent}): logprobs must be computed at the "
+                    "sampling temperature; set them equal, or give agents that sample at "
+                    "different temperatures separate models")
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> TroupeConfig:

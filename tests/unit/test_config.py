@@ -5,7 +5,8 @@ import pytest
 
 from runtime.config import ConfigError, load_config
 
-CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -76,3 +77,27 @@ def test_overrides_index_lists_and_bad_indexes_are_config_errors():
         load_config(http, ["coach.endpoints[7].model=x"])
     with pytest.raises(ConfigError, match="key=value"):
         load_config(http, ["run.max_steps"])
+
+
+def test_agent_sampling_overrides_one_agent_and_is_checked_per_model():
+    # role-specialised: the tool samples cooler on its own model, whose learner agrees
+    cfg = load_config(ROOT / "configs" / "sudoku_cpu_specialised.yaml", [
+        "rollout.agent_sampling={tool: {temperature: 0.7, top_p: 0.95}}",
+        "models.tool.learner.temperature=0.7"])
+    assert (cfg.rollout.sampling_for("tool").temperature,
+            cfg.rollout.sampling_for("tool").top_p) == (0.7, 0.95)
+    assert cfg.rollout.sampling_for("planner").temperature == 1.0
+    # the tool's learner left at 1.0: the tool's own override is named
+    with pytest.raises(ConfigError, match=r"rollout.agent_sampling.tool.temperature=0.7"):
+        load_config(ROOT / "configs" / "sudoku_cpu_specialised.yaml",
+                    ["rollout.agent_sampling={tool: {temperature: 0.7}}"])
+    # one shared model cannot sample two roles at two temperatures
+    with pytest.raises(ConfigError, match="separate models"):
+        load_config(ROOT / "configs" / "sudoku_cpu.yaml",
+                    ["rollout.agent_sampling={tool: {temperature: 0.7}}"])
+    with pytest.raises(ConfigError, match=r"agent_sampling names \['coder'\]"):
+        load_config(ROOT / "configs" / "sudoku_cpu.yaml",
+                    ["rollout.agent_sampling={coder: {top_p: 0.9}}"])
+    with pytest.raises(ConfigError, match=r"agent_sampling.tool.top_p=1.5"):
+        load_config(ROOT / "configs" / "sudoku_cpu.yaml",
+                    ["rollout.agent_sampling={tool: {top_p: 1.5}}"])

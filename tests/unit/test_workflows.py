@@ -116,3 +116,45 @@ def test_episode_scalars_namespace_and_average_present_keys():
         "episode/sudoku/turns_to_solve": 2.0,  # only the solved episode has it
         "behavior/tool/tool_call_rate": 0.75,
     }
+
+
+class _RecordingRoute:
+    """A model route that records the sampling parameters of every generate call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[float, float]] = []
+
+    def next_client(self):
+        return self
+
+    def encode(self, messages, prefix: str = "") -> list[int]:
+        return [1, 2]
+
+    def decode(self, ids) -> str:
+        return "7"
+
+    async def generate(self, prompt_ids, n, max_new_tokens, temperature=1.0, top_p=1.0,
+                       stop=None):
+        from actors.engines.client import Generation
+
+        self.calls.append((temperature, top_p))
+        return [Generation([3], [-0.1], [0], "stop", "7") for _ in range(n)]
+
+
+def test_episode_samples_each_agent_with_its_own_parameters():
+    import asyncio
+
+    from actors.episode import Episode, SamplingParams
+
+    route = _RecordingRoute()
+    episode = Episode(run_id="r", workflow="arith_duo", task_id="t", round_id="o",
+                      round_size=1, round_index=0, group_size=2,
+                      agent_models={"solver": "m", "verifier": "m"}, routes={"m": route},
+                      sampling=SamplingParams(1.0, 1.0),
+                      agent_sampling={"verifier": SamplingParams(0.6, 0.9)})
+
+    async def both() -> None:
+        await episode.act("solver", "q", turn=0, n=2, max_new_tokens=4)
+        await episode.act("verifier", "q", turn=1, n=2, max_new_tokens=4)
+    asyncio.run(both())
+    assert route.calls == [(1.0, 1.0), (0.6, 0.9)]
