@@ -5,38 +5,11 @@ their tiny CPU configs, code_duo also with one model per role (the role-speciali
 Each run must reach version 3 on every model, run code in the sandbox, train rows whose
 rewards carry both AT-GRPO components, balance its row books and leave no workspace behind.
 """
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-from buffers.wal import read_stream
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def launch(config: str, tmp_path: Path, *overrides: str) -> dict:
-    workspaces = tmp_path / "workspaces"
-    workspaces.mkdir()
-    cmd = [sys.executable, str(ROOT / "scripts" / "launch_async.py"), "--config",
-           str(ROOT / "configs" / config), f"run.runs_dir={tmp_path}", "run.run_id=r",
-           "run.max_steps=3", f"workflow.params.sandbox.workspace_root={workspaces}",
-           *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert list(workspaces.iterdir()) == []  # every episode's workspace was removed
-    return json.loads((tmp_path / "r" / "summary.json").read_text())
-
-
-def scalars(run_dir: Path, key: str) -> list[float]:
-    acc = EventAccumulator(str(run_dir / "tensorboard"))
-    acc.Reload()
-    return [e.value for e in acc.Scalars(key)] if key in acc.Tags()["scalars"] else []
+from launch_helper import buffered_rows, launch, scalars
 
 
 def check_books(summary: dict, models: set[str]) -> None:
@@ -45,15 +18,6 @@ def check_books(summary: dict, models: set[str]) -> None:
     rows = summary["rows"]
     assert rows["generated"] > 0 and rows["trained"] > 0
     assert rows["unaccounted"] == 0, rows
-
-
-def buffered_rows(run_dir: Path, model: str) -> pa.Table:
-    """Every row a model's buffer accepted (its write-ahead log's row segments; a 3-step run
-    stays far below one segment's 64 MiB, so none was rotated away)."""
-    batches = [batch for segment in sorted((run_dir / "buffer" / model).glob("rows-*.arrow"))
-               for batch, _ in read_stream(segment, tolerate_torn=True)[0]]
-    assert batches, f"no rows logged under {run_dir / 'buffer' / model}"
-    return pa.Table.from_batches(batches)
 
 
 def check_rows(run_dir: Path, model: str, agents: set[str]) -> None:

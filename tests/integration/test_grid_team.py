@@ -11,54 +11,24 @@ environment reward components whose λ-mix is the row's reward.
 """
 import importlib.util
 import json
-import subprocess
 import sys
-import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-import pyarrow as pa
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from launch_helper import ROOT, buffered_rows, launch, scalars
 
-from buffers.wal import read_stream
 from runtime.config import load_config, to_yaml
 
-ROOT = Path(__file__).resolve().parents[2]
 LAMBDA = {"sudoku": 0.6, "plan_path": 0.5, "sokoban": 0.4}
 K, HORIZON = 4, 2  # the CPU configs' group_size and horizon
 
 
-def launch(config: str, tmp_path: Path, *overrides: str) -> dict:
-    workspaces = tmp_path / "workspaces"
-    workspaces.mkdir()
-    cmd = [sys.executable, str(ROOT / "scripts" / "launch_async.py"), "--config",
-           str(ROOT / "configs" / config), f"run.runs_dir={tmp_path}", "run.run_id=r",
-           "run.max_steps=3", f"workflow.params.sandbox.workspace_root={workspaces}",
-           *overrides]
-    started = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert list(workspaces.iterdir()) == []  # every candidate's workspace was removed
-    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
-    summary["test_wall_s"] = time.monotonic() - started
-    return summary
-
-
-def scalars(run_dir: Path, key: str) -> list[float]:
-    acc = EventAccumulator(str(run_dir / "tensorboard"))
-    acc.Reload()
-    return [e.value for e in acc.Scalars(key)] if key in acc.Tags()["scalars"] else []
-
-
 def logged_rows(run_dir: Path, model_id: str) -> list[dict]:
     """Every row the model's buffer accepted, from its write-ahead segments."""
-    files = sorted((run_dir / "buffer" / model_id).glob("rows-*.arrow"))
-    assert files, f"no write-ahead rows for {model_id}"
-    batches = [batch for path in files for batch, _ in read_stream(path, tolerate_torn=True)[0]]
     columns = ["agent", "turn", "group_size", "candidate", "group_key", "branch", "meta",
                "reward", "reward_team", "reward_local", "outcome"]
-    rows = pa.Table.from_batches(batches).select(columns).to_pylist()
+    rows = buffered_rows(run_dir, model_id).select(columns).to_pylist()
     for row in rows:
         row["meta"] = json.loads(row["meta"])
     return rows

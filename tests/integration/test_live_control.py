@@ -26,7 +26,7 @@ from pathlib import Path
 
 import ray
 
-from runtime.bus import BusClient, BusConfig, event_topic, payload_digest
+from runtime.bus import BusClient, BusConfig, payload_digest
 from runtime.config import load_config
 from runtime.controller import Run
 

@@ -4,34 +4,8 @@ mathchat (solver → code executor → verifier) and dsbench_lite (data engineer
 analyst) on their CPU configs, with the executor's code run in the sandbox. Each run must
 reach version 3, call the tool, balance its row books and leave no workspace behind.
 """
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def launch(config: str, tmp_path: Path, *overrides: str) -> dict:
-    workspaces = tmp_path / "workspaces"
-    workspaces.mkdir()
-    cmd = [sys.executable, str(ROOT / "scripts" / "launch_async.py"), "--config",
-           str(ROOT / "configs" / config), f"run.runs_dir={tmp_path}", "run.run_id=r",
-           "run.max_steps=3", f"workflow.params.sandbox.workspace_root={workspaces}",
-           *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert list(workspaces.iterdir()) == []  # every episode's workspace was removed
-    return json.loads((tmp_path / "r" / "summary.json").read_text())
-
-
-def scalars(run_dir: Path, key: str) -> list[float]:
-    acc = EventAccumulator(str(run_dir / "tensorboard"))
-    acc.Reload()
-    return [e.value for e in acc.Scalars(key)] if key in acc.Tags()["scalars"] else []
+from launch_helper import launch, scalars
 
 
 def check_books(summary: dict) -> None:
