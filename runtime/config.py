@@ -110,7 +110,8 @@ class TroupeConfig:
         if self.workflow.name not in workflow_names():
             raise ConfigError(f"workflow.name={self.workflow.name!r}: choose one of "
                               f"{workflow_names()}")
-        roles = set(build_workflow(self.workflow).agents)
+        workflow = build_workflow(self.workflow)
+        roles = set(workflow.agents)
         mapped = set(self.workflow.agents)
         if mapped != roles:
             raise ConfigError(f"workflow.agents maps {sorted(mapped)} but {self.workflow.name} "
@@ -119,6 +120,7 @@ class TroupeConfig:
             if model_id not in self.models:
                 raise ConfigError(f"workflow.agents.{agent}={model_id!r} is not a key of models "
                                   f"({sorted(self.models)})")
+        self._check_team_lambda(workflow)
         unknown = set(self.rollout.agent_sampling) - roles
         if unknown:
             raise ConfigError(f"rollout.agent_sampling names {sorted(unknown)}, which "
@@ -154,6 +156,20 @@ class TroupeConfig:
                     f"advantage {model.learner.advantage!r} needs {want!r}: set "
                     f"models.{model_id}.buffer.readiness={want}")
             self._check_sampling_temperature(model_id, model.learner.temperature)
+
+    def _check_team_lambda(self, workflow) -> None:
+        """A workflow that mixes rewards with a λ (AT-GRPO's appendix: the rows' `reward` and
+        the kept candidates use it) and an `at_grpo` learner must mix with the same λ."""
+        lam = getattr(workflow, "team_lambda", None)  # only the λ-mixing workflows have one
+        if lam is None:
+            return
+        for model_id in sorted(set(self.workflow.agents.values())):
+            learner = self.models[model_id].learner
+            if learner.advantage == "at_grpo" and learner.team_lambda != lam:
+                raise ConfigError(
+                    f"models.{model_id}.learner.team_lambda={learner.team_lambda} but "
+                    f"{self.workflow.name} mixes rewards with λ={lam}: set "
+                    f"models.{model_id}.learner.team_lambda={lam}")
 
     def _check_sampling_temperature(self, model_id: str, learner_temperature: float) -> None:
         """The learner divides a model's logits by one temperature: every agent that samples

@@ -302,6 +302,12 @@ class CodeDuo:
         # task file when workflow.tasks.path is empty
         self.make_task = HumanEvalTasks(cfg.eval_fraction)
 
+    @property
+    def team_lambda(self) -> float:
+        """λ of the rows' rewards and of the kept candidates; runtime.config checks that a
+        model trained with `at_grpo` mixes with the same."""
+        return self.cfg.team_lambda
+
     def groups_per_round(self, agent: str, group_size: int) -> int:
         return self.cfg.horizon  # one K-candidate group per agent per turn, at most T turns
 

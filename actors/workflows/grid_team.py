@@ -249,6 +249,12 @@ class GridTeam:
     def groups_per_round(self, agent: str, group_size: int) -> int:
         return self.cfg.horizon  # one K-candidate group per agent per turn, at most T turns
 
+    @property
+    def team_lambda(self) -> float:
+        """The game's λ (A.1.3–A.1.5): rows' rewards and the kept candidates use it, so a
+        model trained with `at_grpo` must mix with the same (runtime.config checks)."""
+        return GAMES[self.name].LAMBDA
+
     # ------------------------------------------------------------------ rewards
     def rule_score(self, agent, task, output_text, finish_reason, context) -> float:
         """The rule coach's score: the λ-mixed r^i_k the environment gave this action.

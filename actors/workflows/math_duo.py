@@ -388,6 +388,12 @@ class MathDuo:
         self.tool = CodeTool(cfg.sandbox, cfg.observation_chars)
         self._problems = MathChat(MathChatConfig(steps=cfg.steps, max_number=cfg.max_number))
 
+    @property
+    def team_lambda(self) -> float:
+        """λ of the rows' rewards and of the kept candidates; runtime.config checks that a
+        model trained with `at_grpo` mixes with the same."""
+        return self.cfg.team_lambda
+
     def make_task(self, rng: random.Random, index: int) -> Task:
         """mathchat's generated problem (word or arithmetic, integer answer)."""
         return dataclasses.replace(self._problems.make_task(rng, index),

@@ -101,3 +101,15 @@ def test_agent_sampling_overrides_one_agent_and_is_checked_per_model():
     with pytest.raises(ConfigError, match=r"agent_sampling.tool.top_p=1.5"):
         load_config(ROOT / "configs" / "sudoku_cpu.yaml",
                     ["rollout.agent_sampling={tool: {top_p: 1.5}}"])
+
+
+@pytest.mark.parametrize("config, lam", [("sudoku_cpu.yaml", 0.6), ("plan_path_cpu.yaml", 0.5),
+                                         ("sokoban_cpu.yaml", 0.4), ("math_duo_cpu.yaml", 0.7)])
+def test_at_grpo_learner_must_mix_with_the_workflows_lambda(config, lam):
+    """Rows carry the workflow's λ-mix and its kept candidates follow it; an at_grpo learner
+    mixing with another λ (or eq. 4's α) would train on rewards the episode never used."""
+    assert load_config(ROOT / "configs" / config).models["policy"].learner.team_lambda == lam
+    with pytest.raises(ConfigError, match=rf"team_lambda=0.3 but .* λ={lam}"):
+        load_config(ROOT / "configs" / config, ["models.policy.learner.team_lambda=0.3"])
+    with pytest.raises(ConfigError, match=rf"team_lambda=None but .* λ={lam}"):
+        load_config(ROOT / "configs" / config, ["models.policy.learner.team_lambda=null"])
