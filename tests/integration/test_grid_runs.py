@@ -7,7 +7,7 @@ books; the rows it logged (the buffers' write-ahead segments) must be the tree's
 candidates of one agent at one turn, one kept candidate per group, every row with its
 environment reward components whose λ-mix is the row's reward.
 
-    python -m pytest tests/integration/test_grid_team.py -x -q -s
+    python -m pytest tests/integration/test_grid_runs.py -x -q -s
 """
 import importlib.util
 import json
