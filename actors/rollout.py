@@ -110,7 +110,8 @@ class RolloutActor:
         self.ports = ports
         self.readiness = readiness  # model_id -> "group" | "episode"
         self.agent_models = dict(workflow_cfg.agents)
-        self.sampling = {agent: cfg.sampling_for(agent) for agent in self.agent_models}
+        self.sampling = SamplingParams(cfg.temperature, cfg.top_p)
+        self.agent_sampling = {agent: cfg.sampling_for(agent) for agent in cfg.agent_sampling}
         # the train split (a task file, or the workflow's generator), read at the indices the
         # clock hands out: one stream shared by every actor, however many run
         self.tasks = TaskSource(workflow_cfg.tasks, workflow_cfg.tasks.train_split,
@@ -198,7 +199,7 @@ class RolloutActor:
         return [Episode(run_id=self.run_id, workflow=self.workflow.name, task_id=task.task_id,
                         round_id=round_id, round_size=count, round_index=i, group_size=g,
                         agent_models=self.agent_models, routes=self.routes,
-                        sampling=SamplingParams(self.cfg.temperature, self.cfg.top_p), agent_sampling=self.sampling,
+                        sampling=self.sampling, agent_sampling=self.agent_sampling,
                         truth=task.truth, problem=task.prompt,
                         sync_scorer=self.ports.score_now if self.cfg.sync_coach else None)
                 for i in range(count)]

@@ -67,6 +67,16 @@ STEP_SCHEMA = pa.schema(
 REWARD_COLUMNS = ("reward_local", "reward_team", "coach_score", "outcome", "reward")
 
 
+def tree_path(branch: str, candidate: int) -> str:
+    """The tree position of a candidate: its branch with its own index appended.
+
+    "" and 2 give "2"; "0" and 2 give "0.2" (DESIGN §3's dotted "tree path of chosen
+    candidates"). It is the `parent_branch` a workflow passes to the actions that continue
+    from this candidate, and the path the learner's returns follow (reinforce_pp).
+    """
+    return f"{branch}.{candidate}" if branch else str(candidate)
+
+
 def group_key(task_id: str, round_id: str, parent_branch: str, agent: str, turn: int) -> bytes:
     """blake2b-128 of the named fields (DESIGN §4); never built from row positions.
 

@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from buffers.schema import tree_path
 from learners.config import LearnerConfig
 
 GRPO_EPS = 1e-6  # added to the group std (DESIGN §6)
@@ -132,17 +133,6 @@ def at_grpo(
     return grpo(mixed, group_ids, std_normalize=std_normalize)
 
 
-def _tree_path(branch: str, candidate: int) -> str:
-    """The tree position of a candidate: its branch with its own index appended.
-
-    "" and 2 give "2"; "0" and 2 give "0.2" (DESIGN §3's dotted "tree path of chosen
-    candidates"). It is the `parent_branch` a workflow must pass to the actions that continue
-    from this candidate; arith_duo's one branching level passes `str(best.candidate)`, the
-    same string for a root candidate.
-    """
-    return f"{branch}.{candidate}" if branch else str(candidate)
-
-
 def _passes_through(branch: str, prefix: str) -> bool:
     """Whether tree path `branch` runs through `prefix`, component-wise ("12" does not pass
     through "1"; every path passes through the root "")."""
@@ -183,7 +173,7 @@ def tree_paths(
     turns = np.asarray(turns)
     candidates = np.asarray(candidates)
     rows = range(len(turns))
-    paths = [_tree_path(branches[i], int(candidates[i])) for i in rows]
+    paths = [tree_path(branches[i], int(candidates[i])) for i in rows]
     continued: set[tuple[Hashable, str]] = set()  # (episode, every non-empty prefix of a branch)
     last_turn: dict[tuple[Hashable, str], int] = {}
     node_size: dict[tuple, int] = {}

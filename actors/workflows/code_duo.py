@@ -68,9 +68,10 @@ from actors.workflows.humaneval import (HumanEvalTasks, Job, JobResult, Suite, c
                                         golden_program, hidden_suite, mutants, run_jobs,
                                         tester_suite)
 from actors.workflows.math_duo import (REWARD_SOURCES, Candidate, StepReward, Trace, recent,
-                                       settle, tree_path)
+                                       settle)
 from actors.workflows.registry import register
 from actors.workflows.tools import CodeTool
+from buffers.schema import tree_path
 
 log = logging.getLogger(__name__)
 

@@ -57,6 +57,7 @@ from actors.workflows import grid_prompts as prompts
 from actors.workflows.base import Task
 from actors.workflows.registry import register
 from actors.workflows.tools import CodeTool, ToolResult
+from buffers.schema import tree_path
 
 REWARD_SOURCES = ("inline", "coach")
 _ANSWER_CHARS = 300  # of each earlier answer shown in the history
@@ -179,11 +180,6 @@ def select(candidates: list[Candidate]) -> Candidate:
         if candidate.score > best.score:
             best = candidate
     return best
-
-
-def tree_path(parent: str, candidate: int) -> str:
-    """The dotted tree path after keeping `candidate` below `parent` (DESIGN §3 `branch`)."""
-    return f"{parent}.{candidate}" if parent else str(candidate)
 
 
 def row_rewards(result: StepResult) -> dict[str, float | None]:

@@ -71,6 +71,7 @@ from actors.workflows.base import Task
 from actors.workflows.mathchat import MathChat, MathChatConfig
 from actors.workflows.registry import register
 from actors.workflows.tools import CodeTool, ToolResult
+from buffers.schema import tree_path
 
 LAMBDA_MATH = 0.70  # A.1.1 λ_math
 REASONER_COEFFICIENTS = {"fmt": 0.20, "tool": 0.00, "step": 0.80}  # A.1.1 c^Reasoner
@@ -289,11 +290,6 @@ def recent(entries: list[str], limit: int) -> str:
         kept.append(clip(entry, limit))
         used += len(kept[-1]) + 2
     return "\n\n".join(reversed(kept))
-
-
-def tree_path(parent: str, candidate: int) -> str:
-    """The dotted path after keeping `candidate` below `parent` (DESIGN §3 `branch`)."""
-    return f"{parent}.{candidate}" if parent else str(candidate)
 
 
 # ------------------------------------------------------------------------------ the workflow

@@ -20,7 +20,8 @@ from actors.sandbox import SandboxConfig
 from actors.tasks import TaskConfig, TaskSource
 from actors.workflows import WorkflowConfig, build_workflow, grid_prompts
 from actors.workflows.base import Task, units_per_round
-from actors.workflows.grid_team import Candidate, select, tree_path
+from actors.workflows.grid_team import Candidate, select
+from buffers.schema import tree_path
 from learners.advantages import at_grpo_rewards
 
 GAMES = ("sudoku", "plan_path", "sokoban")
