@@ -53,6 +53,29 @@ def wait_for(what: str, check, deadline: float, every_s: float = 0.1):
     return value
 
 
+def step_after(learner, version: int, since: float) -> float:
+    """Seconds from `since` until the learner steps past `version`."""
+    wait_for("a learner step after the kill",
+             lambda: ray.get(learner.progress.remote())["version"] > version, since + 300)
+    return time.time() - since
+
+
+def finish(run: Run, thread: threading.Thread, failures: list) -> dict:
+    """Join the supervising thread (it must have ended cleanly), then close the run's books."""
+    thread.join(600)
+    assert not thread.is_alive() and not failures, failures
+    return run.finish()
+
+
+def check_trained_rows(run: Run, rows: dict, judge: LoopbackJudge) -> int:
+    """No row trained twice (the learner's audit) and none without a reply of the judge (its
+    own count); returns the rows trained twice (0)."""
+    trained, twice = trained_twice(run.run_dir / "logs" / "trained_policy.jsonl")
+    assert trained > 0 and twice == 0
+    assert rows["trained"] <= len(judge.replies)  # no trained row without a judge reply
+    return twice
+
+
 def played(run: Run) -> int:
     """Episodes the live rollout actors have finished."""
     return sum(ray.get(a.stats.remote())["episodes"] for a in list(run.rollouts.values()))
@@ -89,13 +112,8 @@ def test_killed_rollout_actor_is_replaced_and_rows_stay_accounted(tmp_path):
                 ray.get(actor.stats.remote())["episodes"] > 0
         wait_for("the replacement's first episode", replacement_played, killed_at + 300)
         replaced_s = time.time() - killed_at
-        wait_for("a learner step after the kill",
-                 lambda: ray.get(learner.progress.remote())["version"] > version_at_kill,
-                 killed_at + 300)
-        step_s = time.time() - killed_at
-        thread.join(600)
-        assert not thread.is_alive() and not failures, failures
-        summary = run.finish()
+        step_s = step_after(learner, version_at_kill, killed_at)
+        summary = finish(run, thread, failures)
     finally:
         run.shutdown()
         judge.close()
@@ -112,9 +130,7 @@ def test_killed_rollout_actor_is_replaced_and_rows_stay_accounted(tmp_path):
     assert rows["lost"]["episode_error"] == 0 and rows["dropped"]["failed"] == 0, rows
     assert summary["ledger"]["open_rounds"] == 0
     assert rows["buffered"] == rows["trained"] + sum(rows["dropped"].values())
-    trained, twice = trained_twice(run.run_dir / "logs" / "trained_policy.jsonl")
-    assert trained > 0 and twice == 0
-    assert rows["trained"] <= len(judge.replies)  # no trained row without a judge reply
+    twice = check_trained_rows(run, rows, judge)
     print(f"rollout actor kill -9: run continued; replacement played its first episode "
           f"{replaced_s:.1f} s after the kill, next learner step {step_s:.1f} s after; rows "
           f"lost {rows['lost']}, dropped {rows['dropped']}, units freed "
@@ -150,13 +166,8 @@ def test_killed_sglang_server_is_restarted_and_the_run_goes_on(tmp_path):
         wait_for("an episode on the restarted server", lambda: played(run) > episodes,
                  killed_at + 300, 0.2)
         played_s = time.time() - killed_at
-        wait_for("a learner step after the kill",
-                 lambda: ray.get(learner.progress.remote())["version"] > version_at_kill,
-                 killed_at + 300)
-        step_s = time.time() - killed_at
-        thread.join(600)
-        assert not thread.is_alive() and not failures, failures
-        summary = run.finish()
+        step_s = step_after(learner, version_at_kill, killed_at)
+        summary = finish(run, thread, failures)
     finally:
         run.shutdown()
         judge.close()
@@ -170,9 +181,7 @@ def test_killed_sglang_server_is_restarted_and_the_run_goes_on(tmp_path):
     assert set(lost) <= {"episode_error", "run_stopped"}, rows  # only rounds in flight
     # the restarted server served the latest weights: no row came back too stale to train
     assert rows["dropped"]["failed"] == rows["dropped"]["stale"] == 0, rows
-    trained, twice = trained_twice(run.run_dir / "logs" / "trained_policy.jsonl")
-    assert trained > 0 and twice == 0
-    assert rows["trained"] <= len(judge.replies)  # no trained row without a judge reply
+    twice = check_trained_rows(run, rows, judge)
     print(f"SGLang server kill -9: run continued; server answering again {restarted_s:.1f} s "
           f"after the kill, episodes flowing {played_s:.1f} s after, next learner step "
           f"{step_s:.1f} s after; rows lost {lost}, dropped {rows['dropped']}; trained twice "
