@@ -3,6 +3,7 @@
 The estimators are pure numpy functions over row-level arrays (N rows); nothing here loops over
 tokens. `ADVANTAGES` maps a `LearnerConfig.advantage` name to an adapter that reads the needed
 STEP_SCHEMA columns from an Arrow table, and `compute_advantages` dispatches through it.
+`delta_rewards` (UnityMAS-O) is a reward transform a workflow applies, not an estimator.
 
 Arithmetic runs in float64 and the result is cast to float32, so group statistics of a few
 thousand rows carry no float32 cancellation error.
@@ -10,6 +11,7 @@ thousand rows carry no float32 cancellation error.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from itertools import pairwise
 
 import numpy as np
 import pyarrow as pa
@@ -289,6 +291,136 @@ def reinforce_pp(
     return ((returns - mu) / np.sqrt(var + REINFORCE_PP_EPS)).astype(np.float32)
 
 
+def joint_returns(
+    rewards: np.ndarray,
+    episode_ids: Sequence[Hashable],
+    agents: Sequence[Hashable],
+    turns: np.ndarray,
+    branches: Sequence[str],
+    candidates: np.ndarray,
+    gamma: float = 1.0,
+) -> np.ndarray:
+    """Return of each row's joint action on a MAGRPO joint tree (MAGRPO, Algorithm 1 line 11).
+
+    A *joint action* is the rows of one (episode, turn, branch, candidate): the same-index
+    candidates of every agent at one node (the reference implementation's "aligned" joint
+    mode). It holds one joint reward r (Algorithm 1 line 7), so its agents' rows must agree.
+    Its *children* are the joint actions of the next turn on its anchor (`tree_paths`): with
+    tree expansion, the G joint actions drawn from its tree path; with parallel joint sampling
+    (empty branches, one rollout per episode, DESIGN §4), the same rollout's next joint action.
+
+    R = r + γ · mean over children of R, and R = r for a leaf. Early termination is data here:
+    Algorithm 1 runs every rollout to the horizon H; a workflow that stops expanding a branch
+    (the authors' released trainer stops a node whose mean reward exceeds `termination_threshold`)
+    leaves its joint actions childless, whatever its rule. With one child per joint action R is
+    Algorithm 1's R_t = Σ_{τ≥t} γ^{τ−t} r_τ.
+
+    Rows absent from the table cannot testify: a later turn at which none of this model's
+    agents acted adds nothing to the returns (as in `tree_paths`).
+
+    Args:
+        rewards: float [N] joint reward of each row's joint action, no NaN.
+        episode_ids, agents, turns, branches, candidates: [N] as in `tree_paths`.
+        gamma: the discount γ over turns (1.0 in the paper's multi-turn setting, appendix C).
+
+    Returns:
+        float64 [N]: each row's joint-action return.
+    """
+    r = np.asarray(rewards, dtype=np.float64)
+    if np.isnan(r).any():
+        raise ValueError(f"magrpo: {int(np.isnan(r).sum())} rows have no reward (NaN)")
+    anchors, _ = tree_paths(episode_ids, agents, turns, branches, candidates)
+    keys = [(e, int(t), b, int(c)) for e, t, b, c in zip(episode_ids, turns, branches, candidates)]
+    joint, num_joint = _factorize(keys)
+    low, high = np.full(num_joint, np.inf), np.full(num_joint, -np.inf)
+    np.minimum.at(low, joint, r)
+    np.maximum.at(high, joint, r)
+    if (low != high).any():
+        j = int(np.flatnonzero(low != high)[0])
+        episode, turn, branch, candidate = keys[int(np.argmax(joint == j))]
+        raise ValueError(
+            f"magrpo: the joint action (episode {episode!r}, turn {turn}, branch {branch!r}, "
+            f"candidate {candidate}) has rewards from {low[j]} to {high[j]} across its agents; "
+            "MAGRPO shares one joint reward per joint action: give every agent's row the team "
+            "reward, or train per-agent rewards with at_grpo or reinforce_pp")
+    # A failed row can leave one agent's node a single row nobody continued, which
+    # `tree_paths` reads as unbranched: the joint action branched when any agent's node did.
+    joint_key, joint_anchor = [()] * num_joint, [""] * num_joint
+    for i, j in enumerate(joint):
+        if not joint_key[j] or anchors[i] != branches[i]:
+            joint_key[j], joint_anchor[j] = keys[i], anchors[i]
+    on_branch: dict[tuple[Hashable, str], dict[int, list[int]]] = {}
+    for j, (episode, turn, branch, _) in enumerate(joint_key):
+        on_branch.setdefault((episode, branch), {}).setdefault(turn, []).append(j)
+    returns = low.copy()  # the joint reward
+    # Children sit at later turns, so deepest-first sees every child's return before its parent.
+    for j in sorted(range(num_joint), key=lambda j: -joint_key[j][1]):
+        episode, turn = joint_key[j][:2]
+        later = [t for t in on_branch.get((episode, joint_anchor[j]), {}) if t > turn]
+        if later:
+            children = on_branch[episode, joint_anchor[j]][min(later)]
+            returns[j] += gamma * returns[children].mean()
+    return returns[joint]
+
+
+def magrpo(
+    rewards: np.ndarray,
+    group_ids: Sequence[Hashable],
+    episode_ids: Sequence[Hashable],
+    agents: Sequence[Hashable],
+    turns: np.ndarray,
+    branches: Sequence[str],
+    candidates: np.ndarray,
+    gamma: float = 1.0,
+    std_normalize: bool = True,
+) -> np.ndarray:
+    """MAGRPO advantage (MAGRPO, Algorithm 1 lines 11–12, eq. 1; DESIGN §6).
+
+    The joint-action return R (`joint_returns`), then eq. 1 within the G joint actions of a
+    node: A = (R − mean_G R) / σ_G(R), computed by `grpo` over `group_ids` (an agent's G rows
+    at one node, or across the G episodes of a parallel round, DESIGN §4). Every agent's row of
+    a joint action carries the same R, so all of them get the same advantage. Eq. 1 divides by
+    σ; `std_normalize=False` keeps only the mean baseline (the authors' released trainer does
+    that). A group of one, or of equal returns, gives A = 0.
+
+    Args:
+        rewards, episode_ids, agents, turns, branches, candidates, gamma: as in `joint_returns`.
+        group_ids: [N] hashable group keys (bytes group_key); std_normalize: as in `grpo`.
+
+    Returns:
+        float32 [N].
+    """
+    returns = joint_returns(rewards, episode_ids, agents, turns, branches, candidates, gamma)
+    return grpo(returns, group_ids, std_normalize=std_normalize)
+
+
+def delta_rewards(scores: Sequence[float]) -> list[float]:
+    """Score-delta rewards of a refine loop (UnityMAS-O §6, Workflow D; Table 2).
+
+    Round 1 is credited with its verifier score s_1, round t > 1 with the improvement
+    s_t − s_{t−1} it made over the previous verified solution (negative after a regression).
+    The rewards telescope: they sum to the last score. No rounds give no rewards ([]).
+
+    A reward transform, not an estimator: a workflow sets these as its rows' rewards before
+    they are trained, e.g. with `reinforce_pp`.
+
+    Args:
+        scores: the verifier score after each round, s_1..s_T (e.g. test pass rates).
+
+    Returns:
+        T floats, one per round.
+
+    Raises:
+        ValueError: for a score that is not a finite number, naming its round.
+    """
+    values = [float(s) for s in scores]
+    for t, s in enumerate(values, start=1):
+        if not np.isfinite(s):
+            raise ValueError(f"delta_rewards: the score of round {t} is {s}; give every "
+                             "round a finite verifier score (e.g. 0.0 for code that did not run)")
+    return values[:1] + [now - before for before, now in pairwise(values)]
+
+
 def _floats(table: pa.Table, name: str) -> np.ndarray:
     """A nullable float column as float64 numpy, NaN where null."""
     return pc.fill_null(table.column(name).cast(pa.float64()), np.nan).to_numpy()
@@ -328,11 +460,26 @@ def _reinforce_pp_from_table(
     )
 
 
+def _magrpo_from_table(cfg: LearnerConfig, table: pa.Table, kl: np.ndarray | None) -> np.ndarray:
+    return magrpo(
+        _floats(table, "reward"),
+        table.column("group_key").to_pylist(),
+        table.column("episode_id").to_pylist(),
+        table.column("agent").to_pylist(),
+        table.column("turn").to_numpy(),
+        table.column("branch").to_pylist(),
+        table.column("candidate").to_numpy(),
+        gamma=cfg.magrpo_gamma,
+        std_normalize=cfg.std_normalize,
+    )
+
+
 # name -> adapter(cfg, table in STEP_SCHEMA, optional per-row KL [N]) -> float32 [N]
 ADVANTAGES: dict[str, Callable[[LearnerConfig, pa.Table, np.ndarray | None], np.ndarray]] = {
     "grpo": _grpo_from_table,
     "at_grpo": _at_grpo_from_table,
     "reinforce_pp": _reinforce_pp_from_table,
+    "magrpo": _magrpo_from_table,
 }
 
 
@@ -343,7 +490,7 @@ def compute_advantages(
 
     Args:
         cfg: learner config (advantage, std_normalize, team_alpha, team_lambda,
-            reward_kl_beta).
+            reward_kl_beta, magrpo_gamma).
         table: rows in STEP_SCHEMA, every one rewarded.
         kl: optional float [N] per-action KL to the reference policy; only reinforce_pp uses
             it (MAPPA eq. 1, weighted by `cfg.reward_kl_beta`, which then requires it).

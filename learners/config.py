@@ -11,12 +11,15 @@ from dataclasses import dataclass
 
 # Which unit of rows must be fully rewarded before an estimator can use any of them (DESIGN §4):
 # group-relative estimators need every candidate of a group, return-to-go estimators need every
-# action of an episode. The keys are the valid values of `LearnerConfig.advantage`; the registry
-# in learners/advantages.py holds exactly these names (a unit test checks it).
+# action of an episode. MAGRPO's joint tree of one round lives in one episode, and a joint
+# action's return needs every descendant rewarded, so it completes per episode. The keys are
+# the valid values of `LearnerConfig.advantage`; the registry in learners/advantages.py holds
+# exactly these names (a unit test checks it).
 READINESS_UNITS: dict[str, str] = {
     "grpo": "group",
     "at_grpo": "group",
     "reinforce_pp": "episode",
+    "magrpo": "episode",
 }
 
 BEHAVIOR_CORRECTIONS = ("tis", "mask")
@@ -47,12 +50,13 @@ class LearnerConfig:
     """Everything one model's learner needs: estimator, loss, optimizer, batching, runtime."""
 
     backend: str = "megatron"  # learner backend, a key of learners.protocol.LEARNERS
-    advantage: str = "grpo"  # estimator: "grpo" | "at_grpo" | "reinforce_pp"
+    advantage: str = "grpo"  # estimator: "grpo" | "at_grpo" | "reinforce_pp" | "magrpo"
     std_normalize: bool = True  # divide group advantages by the group std (False = Dr.GRPO)
     team_alpha: float = 1.0  # AT-GRPO eq. 4 weight α of the team reward: r = α·r_team + r_local
     # AT-GRPO appendix λ-mix r = λ·r_team + (1−λ)·m·r_local instead of eq. 4 (null = eq. 4)
     team_lambda: float | None = None
     reward_kl_beta: float = 0.0  # MAPPA eq. 1 β: KL penalty folded into reinforce_pp rewards
+    magrpo_gamma: float = 1.0  # MAGRPO discount γ over joint-tree turns (1.0 in its appendix C)
     entropy_coef: float = 0.0  # weight of the entropy bonus subtracted from the loss (exploration)
     kl_beta: float = 0.0  # weight of the k3 KL(π_θ‖π_ref) term in the loss; > 0 loads a reference
     lr: float = 1e-5  # AdamW learning rate
@@ -101,6 +105,10 @@ class LearnerConfig:
             self.reward_kl_beta,
             "it only applies to advantage='reinforce_pp'; set it to 0 or use kl_beta (in the loss)",
         )
+        _check(math.isfinite(self.magrpo_gamma) and 0 <= self.magrpo_gamma <= 1, "magrpo_gamma",
+               self.magrpo_gamma, "use a discount in [0, 1] (1.0: the paper's undiscounted R)")
+        _check(self.magrpo_gamma == 1.0 or self.advantage == "magrpo", "magrpo_gamma",
+               self.magrpo_gamma, "it only applies to advantage='magrpo'; leave it at 1.0")
         _check(math.isfinite(self.lr) and self.lr > 0, "lr", self.lr, "use a finite value > 0")
         _check(self.ppo_epochs >= 1, "ppo_epochs", self.ppo_epochs, "use an integer ≥ 1")
         _check(
