@@ -6,12 +6,15 @@ tree sampling (n=K) groups the K candidates of one prompt; joint sampling (n=1 i
 of G episodes) groups the G actions of an agent at a turn across the round.
 Rewards are attached later: rule rewards inline through `reward`, coach scores through
 `coach` (the rollout actor ships them to the coach pool after the rows are buffered).
+`consult(messages)` asks a non-trained advisor model through the coach pool (MAGRPO's
+external feedback, DESIGN §14): its reply is an observation, never a row.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import json
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -20,6 +23,9 @@ from typing import Any, Awaitable, Callable, Protocol
 import numpy as np
 
 from buffers.schema import RewardCommit, StepRecord, group_key, new_id
+
+CHAT_ROLES = ("system", "user", "assistant")
+_PURPOSE = re.compile(r"[A-Za-z0-9_.-]+")  # a metric-key segment (coach/advisor/purpose/<p>)
 
 
 class Generator(Protocol):
@@ -67,6 +73,55 @@ class CoachRequest:
     turn: int = 0
     on_path: bool = True
     outcome: float | None = None
+
+
+@dataclass(frozen=True)
+class AdviceRequest:
+    """One question to the advisor: chat `messages` sent as they are (the workflow owns the
+    prompt), a `purpose` label for metrics and logs, and optionally the advisor `endpoint`
+    (its config name) that must answer; None lets the pool choose."""
+
+    messages: list[dict[str, str]]
+    purpose: str = "advisor"
+    endpoint: str | None = None
+    episode_id: str = ""
+    workflow: str = ""
+    task_id: str = ""
+
+
+@dataclass(frozen=True)
+class Advice:
+    """The advisor's reply. `latency_s` is the whole consult (retries and breaker pauses
+    included); `endpoint` names the endpoint that answered (or failed). A failed consult
+    carries `failed_reason` (e.g. "server_error", "unavailable") and no text; the Advice
+    that `Episode.consult` returns always has `failed_reason` None."""
+
+    text: str | None
+    endpoint: str
+    latency_s: float
+    purpose: str = "advisor"
+    failed_reason: str | None = None
+    detail: str = ""
+
+
+class AdvisorFailure(Exception):
+    """The pool gave up on one advice (retries exhausted, breaker open past the deadline, a
+    4xx). The workflow may catch it and go on without feedback; it is already logged and
+    counted (per episode, per rollout actor, and under coach/advisor/ in the pool)."""
+
+    def __init__(self, advice: Advice) -> None:
+        super().__init__(f"advisor {advice.endpoint!r} gave up ({advice.failed_reason}) after "
+                         f"{advice.latency_s:.1f} s: {advice.detail}")
+        self.advice = advice
+        self.reason = advice.failed_reason
+        self.endpoint = advice.endpoint
+        self.latency_s = advice.latency_s
+
+    def __reduce__(self):  # rebuilt from its Advice when a Ray error carries it across
+        return (AdvisorFailure, (self.advice,))
+
+
+AdviceFn = Callable[[AdviceRequest], Awaitable[Advice]]
 
 
 @dataclass
@@ -127,7 +182,9 @@ class Episode:
                  agent_sampling: dict[str, SamplingParams] | None = None,
                  truth: str | None = None, problem: str = "",
                  sync_scorer: Callable[[list[CoachRequest]], Awaitable[dict[str, Any]]]
-                 | None = None) -> None:
+                 | None = None, advisor: AdviceFn | None = None) -> None:
+        """`advisor` answers `consult` (the coach pool's, through the rollout actor); None
+        when the run has no advisor, and then `consult` is an error."""
         self.run_id = run_id
         self.workflow = workflow
         self.task_id = task_id
@@ -143,6 +200,7 @@ class Episode:
         self.truth = truth
         self.problem = problem
         self.sync_scorer = sync_scorer
+        self.advisor = advisor
         self._drafts: dict[str, _Draft] = {}
         self._coach: list[CoachRequest] = []
         self._coached: set[str] = set()  # step_ids already sent to the coach (at most once)
@@ -151,6 +209,9 @@ class Episode:
         self._failures: dict[str, list] = {}  # model_id -> FAILED RewardCommits to send
         self._failed: set[str] = set()  # rows failed by the episode itself (Episode.fail)
         self.generated_tokens = 0
+        self.advisor_calls = 0  # consults answered or failed (none of them is a row)
+        self.advisor_failures = 0
+        self.advisor_latency_s = 0.0  # total time this episode waited for advice
 
     async def act(self, agent: str, messages: list[dict[str, str]] | str, *, turn: int,
                   n: int = 1,
@@ -205,6 +266,39 @@ class Episode:
                                   np.asarray(gen.response_ids, dtype=np.int32),
                                   gen.finish_reason))
         return actions
+
+    async def consult(self, messages: list[dict[str, str]], *, purpose: str = "advisor",
+                      endpoint: str | None = None) -> Advice:
+        """Ask the advisor model (not trained) and return its reply; no row is recorded.
+
+        `messages` are sent as they are (MAGRPO's advisor prompt is the workflow's own);
+        `purpose` labels the call in metrics (`coach/advisor/purpose/<purpose>/…`);
+        `endpoint` names one of `coach.advisor.endpoints` (None: the pool picks one whose
+        breaker is closed, in turn). The call goes through the coach pool's concurrency and
+        rate limits, retries and breaker, waiting at most `coach.advisor.give_up_after_s`.
+
+        Raises:
+            AdvisorFailure: the pool gave up; the episode may go on without feedback.
+            RuntimeError: the run has no advisor (`coach.advisor.enabled=false`).
+            ValueError: malformed `messages` or `purpose` (a workflow bug).
+        """
+        if self.advisor is None:
+            raise RuntimeError("Episode.consult: this run has no advisor; set "
+                               "coach.advisor.enabled=true (with coach.advisor.endpoints, or "
+                               "coach.kind=http to share the judges)")
+        _check_chat(messages)
+        if not _PURPOSE.fullmatch(purpose):
+            raise ValueError(f"consult(purpose={purpose!r}): use letters, digits, '_', '.', '-' "
+                             "(it becomes a metric key)")
+        advice = await self.advisor(AdviceRequest(
+            messages=[dict(m) for m in messages], purpose=purpose, endpoint=endpoint,
+            episode_id=self.episode_id, workflow=self.workflow, task_id=self.task_id))
+        self.advisor_calls += 1
+        self.advisor_latency_s += advice.latency_s
+        if advice.failed_reason is not None:
+            self.advisor_failures += 1
+            raise AdvisorFailure(advice)
+        return advice
 
     def reward(self, step_id: str, *, reward: float | None = None,
                reward_local: float | None = None, reward_team: float | None = None,
@@ -327,3 +421,15 @@ class Episode:
             rec = StepRecord(**f, **draft.rewards)
             by_model.setdefault(rec.model_id, []).append(rec)
         return by_model
+
+
+def _check_chat(messages: list[dict[str, str]]) -> None:
+    """An OpenAI chat: a non-empty list of {role, content} with a known role and text."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"consult(messages=...): expected a non-empty list of "
+                         f"{{role, content}} dicts, got {type(messages).__name__}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or set(message) != {"role", "content"} \
+                or message["role"] not in CHAT_ROLES or not isinstance(message["content"], str):
+            raise ValueError(f"consult(messages[{i}]={message!r}): each message must be "
+                             f"{{'role': one of {list(CHAT_ROLES)}, 'content': str}}")

@@ -8,6 +8,8 @@ then hand the coach requests to the coach pool (fire-and-forget; in the synchron
 they are awaited inline first). Rollout actors are stateless: a crash loses only in-flight
 rounds, and the ledger, not this actor, knows their rows, so they are counted with a reason.
 `drain` (a live scale-down) stops taking rounds and lets the in-flight ones finish.
+Episodes that consult the advisor (`Episode.consult`) reach the coach pool through `_consult`,
+which counts the calls, failures and waiting time of this actor.
 """
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from actors.episode import CoachRequest, Episode, ModelRoute, SamplingParams
+from actors.episode import (
+    Advice, AdviceRequest, CoachRequest, Episode, ModelRoute, SamplingParams,
+)
 from actors.tasks import TasksExhausted, TaskSource
 from actors.workflows import WorkflowConfig, build_workflow
 from actors.workflows.base import units_per_round
@@ -91,6 +95,7 @@ class RolloutPorts(Protocol):
     async def seal_episode(self, model_id: str, episode_id: str, num_rows: int) -> None: ...
     async def submit_coach(self, requests: list[CoachRequest]) -> None: ...
     async def score_now(self, requests: list[CoachRequest]) -> dict: ...
+    async def consult(self, request: AdviceRequest) -> Advice: ...
     async def commit_rewards(self, model_id: str, commits: list[RewardCommit]) -> None: ...
     def report(self, scalars: dict[str, float]) -> None: ...
 
@@ -131,6 +136,8 @@ class RolloutActor:
         self.last_error = ""  # the latest round failure, for the run's stall diagnosis
         self.admission_waits = 0
         self.backpressure_waits = 0
+        self.advisor_calls = self.advisor_failures = 0  # Episode.consult, answered or failed
+        self.advisor_latency_s = 0.0  # total time this actor's episodes waited for advice
         self.started_at = time.time()
 
     async def run(self) -> dict:
@@ -201,8 +208,17 @@ class RolloutActor:
                         agent_models=self.agent_models, routes=self.routes,
                         sampling=self.sampling, agent_sampling=self.agent_sampling,
                         truth=task.truth, problem=task.prompt,
-                        sync_scorer=self.ports.score_now if self.cfg.sync_coach else None)
+                        sync_scorer=self.ports.score_now if self.cfg.sync_coach else None,
+                        advisor=self._consult)
                 for i in range(count)]
+
+    async def _consult(self, request: AdviceRequest) -> Advice:
+        """An episode's advisor call, through the coach pool; counted for this actor."""
+        advice = await self.ports.consult(request)
+        self.advisor_calls += 1
+        self.advisor_failures += advice.failed_reason is not None
+        self.advisor_latency_s += advice.latency_s
+        return advice
 
     async def _play_round(self, task, round_id: str) -> None:
         episodes = self._episodes_for(task, round_id)
@@ -237,7 +253,7 @@ class RolloutActor:
         await self.ports.shipped(round_id)
         self.rounds += 1
         self.episodes += len(episodes)
-        self._report(results)
+        self._report(results, episodes)
 
     def _produced_units(self, records: dict[str, dict[str, list[StepRecord]]]) -> dict[str, int]:
         """Readiness units the round produced per model: its groups, or its episodes."""
@@ -285,7 +301,9 @@ class RolloutActor:
         if requests:
             await self.ports.submit_coach(requests)
 
-    def _report(self, results: list[dict[str, float]]) -> None:
+    def _report(self, results: list[dict[str, float]], episodes: list[Episode]) -> None:
+        if any(ep.advisor_calls for ep in episodes):  # a workflow that consults: every episode
+            results = [{**r, **advisor_scalars(ep)} for r, ep in zip(results, episodes)]
         self.ports.report(episode_scalars(self.workflow.name, results))
 
     def stats(self) -> dict:
@@ -299,7 +317,19 @@ class RolloutActor:
             "last_error": self.last_error,
             "admission_waits": self.admission_waits,
             "backpressure_waits": self.backpressure_waits,
+            "advisor_calls": self.advisor_calls, "advisor_failures": self.advisor_failures,
+            "advisor_latency_s": self.advisor_latency_s,
         }
+
+
+def advisor_scalars(episode: Episode) -> dict[str, float]:
+    """One episode's advisor counters (`episode/<workflow>/advisor_…` once averaged): calls and
+    failures per episode, and the mean wait of one advice (only where the episode asked)."""
+    out = {"advisor_calls": float(episode.advisor_calls),
+           "advisor_failures": float(episode.advisor_failures)}
+    if episode.advisor_calls:
+        out["advisor_latency_s"] = episode.advisor_latency_s / episode.advisor_calls
+    return out
 
 
 def episode_scalars(workflow: str, results: list[dict[str, float]]) -> dict[str, float]:

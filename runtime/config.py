@@ -121,6 +121,7 @@ class TroupeConfig:
                 raise ConfigError(f"workflow.agents.{agent}={model_id!r} is not a key of models "
                                   f"({sorted(self.models)})")
         self._check_team_lambda(workflow)
+        self._check_estimators(workflow)
         unknown = set(self.rollout.agent_sampling) - roles
         if unknown:
             raise ConfigError(f"rollout.agent_sampling names {sorted(unknown)}, which "
@@ -170,6 +171,19 @@ class TroupeConfig:
                     f"models.{model_id}.learner.team_lambda={learner.team_lambda} but "
                     f"{self.workflow.name} mixes rewards with λ={lam}: set "
                     f"models.{model_id}.learner.team_lambda={lam}")
+
+    def _check_estimators(self, workflow) -> None:
+        """A workflow whose rows some estimator cannot train says why (`estimator_error`,
+        e.g. magrpo_code's cross mode: rows of one joint action carry different rewards)."""
+        check = getattr(workflow, "estimator_error", None)  # only such workflows have one
+        if check is None:
+            return
+        for model_id in sorted(set(self.workflow.agents.values())):
+            advantage = self.models[model_id].learner.advantage
+            problem = check(advantage)
+            if problem:
+                raise ConfigError(f"models.{model_id}.learner.advantage={advantage!r} cannot "
+                                  f"train {self.workflow.name}'s rows: {problem}")
 
     def _check_sampling_temperature(self, model_id: str, learner_temperature: float) -> None:
         """The learner divides a model's logits by one temperature: every agent that samples

@@ -13,7 +13,7 @@ import time
 
 import ray
 
-from actors.episode import CoachRequest, ModelRoute
+from actors.episode import Advice, AdviceRequest, CoachRequest, ModelRoute
 from actors.engines.client import EngineClient
 from actors.rollout import RolloutActor, RolloutConfig
 from actors.workflows import WorkflowConfig
@@ -88,6 +88,9 @@ class RayRolloutPorts:
 
     async def score_now(self, requests: list[CoachRequest]) -> dict:
         return await self.coach.score_now.remote(requests)
+
+    async def consult(self, request: AdviceRequest) -> Advice:
+        return await self.coach.consult.remote(request)
 
     async def commit_rewards(self, model_id: str, commits: list[RewardCommit]) -> None:
         await self.buffers[model_id].commit_rewards.remote(commits)

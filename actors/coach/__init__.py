@@ -1,12 +1,15 @@
 """The coach (DESIGN §8): per-action process scores, off the critical path.
 
 `build_coach(cfg, workflow, cache_path)` picks the scorer named by `coach.kind` from
-`COACHES`; `CoachPool` owns all scoring traffic and commits results to the buffers.
+`COACHES`; `CoachPool` owns all scoring traffic and commits results to the buffers, and
+answers `Episode.consult` through its `Advisor` (`coach.advisor`, DESIGN §14).
 """
 from __future__ import annotations
 
+from actors.coach.advisor import Advisor
 from actors.coach.config import (
-    BackpropConfig, BreakerConfig, CacheConfig, CoachConfig, EndpointConfig, RetryConfig,
+    AdvisorConfig, BackpropConfig, BreakerConfig, CacheConfig, CoachConfig, EndpointConfig,
+    RetryConfig,
 )
 from actors.coach.http import CoachFailure, HttpCoach
 from actors.coach.judge import LLMCoach
@@ -27,7 +30,7 @@ def build_coach(cfg: CoachConfig, workflow: Workflow, cache_path: str | None = N
 
 
 __all__ = [
-    "Attribution", "BackpropConfig", "BreakerConfig", "CacheConfig", "Coach", "CoachConfig",
+    "Advisor", "AdvisorConfig", "Attribution", "BackpropConfig", "BreakerConfig", "CacheConfig", "Coach", "CoachConfig",
     "CoachFailure", "CoachPool", "CoachResult", "COACHES", "EndpointConfig", "HttpCoach",
     "LLMCoach", "RetryConfig", "RuleCoach", "Unparsable", "Verdict", "build_coach",
     "parse_attribution", "parse_verdict",

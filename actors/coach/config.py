@@ -1,9 +1,10 @@
 """The coach's structured config (DESIGN §8): which coach, its endpoints, limits and prompts.
 
 `CoachConfig.kind` picks the scorer: "rule" (the workflow's rules, offline) or "http" (one
-or more OpenAI-compatible chat endpoints, combined as an ensemble). Every check names the
-field, the value and the fix, as `runtime/config.py` does; the API key itself never appears
-here, only the NAME of the environment variable holding it.
+or more OpenAI-compatible chat endpoints, combined as an ensemble). `CoachConfig.advisor`
+opens the same pool to a non-trained advisor model (`Episode.consult`, DESIGN §14). Every
+check names the field, the value and the fix, as `runtime/config.py` does; the API key itself
+never appears here, only the NAME of the environment variable holding it.
 """
 from __future__ import annotations
 
@@ -127,6 +128,57 @@ class BackpropConfig:
 
 
 @dataclass
+class AdvisorConfig:
+    """A non-trained model that episodes ask for advice (MAGRPO's external feedback, app. D).
+
+    Its replies are observations of the episode, never rows: nothing it writes is trained.
+    """
+
+    enabled: bool = False  # episodes may call Episode.consult (else consult is an error)
+    # the advisor's endpoints; [] = the coach's own judges (coach.kind=http), sharing their
+    # concurrency, rate limits and breaker (one provider account, one budget)
+    endpoints: list[EndpointConfig] = field(default_factory=list)
+    max_tokens: int | None = None  # reply cap of each advice call; null = the endpoint's own
+    temperature: float | None = None  # sampling temperature; null = the endpoint's own
+    # sent instead of the endpoint's extra_body ({} drops a shared judge's score regex);
+    # null = the endpoint's own
+    extra_body: dict[str, Any] | None = None
+    max_concurrency: int = 16  # consults in progress at once over all its endpoints (a
+    # consult keeps its slot through retry waits); each endpoint's own bound applies too
+    give_up_after_s: float = 120.0  # longest an episode waits for one advice (retries and
+    # breaker pauses included) before consult raises AdvisorFailure and it goes on without
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"coach.advisor.max_tokens={self.max_tokens}: must be >= 1, or "
+                             "null to use each endpoint's max_tokens")
+        if self.temperature is not None and self.temperature < 0:
+            raise ValueError(f"coach.advisor.temperature={self.temperature}: must be >= 0, or "
+                             "null to use each endpoint's temperature")
+        if self.max_concurrency < 1:
+            raise ValueError(f"coach.advisor.max_concurrency={self.max_concurrency}: must be >= 1")
+        if self.give_up_after_s <= 0:
+            raise ValueError(f"coach.advisor.give_up_after_s={self.give_up_after_s}: must be > 0 "
+                             "seconds (an episode waits at most this for one advice)")
+
+    def check(self, coach_kind: str) -> None:
+        """Cross-field checks against the coach it shares a pool with."""
+        if not self.enabled:
+            return
+        if not self.endpoints and coach_kind != "http":
+            raise ValueError(f"coach.advisor.enabled=true but coach.advisor.endpoints is empty and "
+                             f"coach.kind={coach_kind!r} has no endpoints to share: add a "
+                             "{base_url, model} entry to coach.advisor.endpoints, or set "
+                             "coach.kind=http")
+        for i, endpoint in enumerate(self.endpoints):
+            endpoint.check(f"coach.advisor.endpoints[{i}]")
+        labels = [e.label() for e in self.endpoints]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"coach.advisor.endpoints have repeated names {labels}: give each a "
+                             "distinct `name` (Episode.consult(endpoint=...) and metrics use it)")
+
+
+@dataclass
 class CoachConfig:
     kind: str = "rule"  # "rule": the workflow's rule score; "http": LLM judge endpoint(s)
     latency_s: float = 0.0  # seconds each RuleCoach call takes (simulates a remote judge)
@@ -143,6 +195,7 @@ class CoachConfig:
     breaker: BreakerConfig = field(default_factory=BreakerConfig)  # pause during outages
     cache: CacheConfig = field(default_factory=CacheConfig)  # prompt-hash reply cache
     backprop: BackpropConfig = field(default_factory=BackpropConfig)  # MAPPA appendix F
+    advisor: AdvisorConfig = field(default_factory=AdvisorConfig)  # Episode.consult's model
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -154,6 +207,7 @@ class CoachConfig:
                              f"{self.max_concurrency} and {self.queue_capacity}")
         if self.combine not in COMBINE:
             raise ValueError(f"coach.combine={self.combine!r}: choose one of {list(COMBINE)}")
+        self.advisor.check(self.kind)  # also for kind=rule: an advisor may have its own endpoints
         if self.kind == "rule":
             if self.backprop.enabled:
                 raise ValueError("coach.backprop.enabled=true needs coach.kind=http: the backward "

@@ -6,6 +6,8 @@ counted) under a concurrency bound, two token buckets (requests/s, tokens/min), 
 timeout and a circuit breaker; retries with exponential backoff and jitter on 429, 5xx,
 timeouts and refused connections; one re-ask, with the original context, when the reply does
 not parse; then `CoachFailure` with a reason. Nothing here ever returns a default score.
+`HttpCoach.chat(messages)` is the same path without cache or parser, for the advisor
+(actors/coach/advisor.py): its calls share the endpoint's limits and breaker with the scores.
 
 The API key is read from the environment variable named in config when the client is first
 built (inside the coach actor) and is never logged. Asyncio objects are built lazily too, so
@@ -19,7 +21,7 @@ import os
 import random
 import time
 from collections import Counter, deque
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 import openai
@@ -157,10 +159,28 @@ class HttpCoach:
                 raise CoachFailure("coach_unparsable", str(second)) from None
         return reply
 
-    async def _call(self, messages: list[dict[str, str]]) -> str:
+    async def chat(self, messages: list[dict[str, str]], *, max_tokens: int | None = None,
+                   temperature: float | None = None, extra_body: dict[str, Any] | None = None,
+                   give_up_after_s: float | None = None) -> str:
+        """One reply to `messages` as is: no cache, no parser; raises CoachFailure.
+
+        `max_tokens`, `temperature` and `extra_body` replace the endpoint's for this call
+        (None keeps the endpoint's); `give_up_after_s` replaces `breaker.give_up_after_s`
+        (how long retries and breaker pauses may take).
+        """
+        return await self._call(messages, max_tokens=max_tokens, temperature=temperature,
+                                extra_body=extra_body, give_up_after_s=give_up_after_s)
+
+    async def _call(self, messages: list[dict[str, str]], *, max_tokens: int | None = None,
+                    temperature: float | None = None, extra_body: dict[str, Any] | None = None,
+                    give_up_after_s: float | None = None) -> str:
         """One reply text, retrying what is worth retrying; see the module docstring."""
         self._ensure()
-        deadline = time.monotonic() + self.breaker_cfg.give_up_after_s
+        sampling = (self.endpoint.max_tokens if max_tokens is None else max_tokens,
+                    self.endpoint.temperature if temperature is None else temperature,
+                    self.endpoint.extra_body if extra_body is None else extra_body)
+        deadline = time.monotonic() + (self.breaker_cfg.give_up_after_s
+                                       if give_up_after_s is None else give_up_after_s)
         attempt = 0
         while True:
             try:
@@ -169,7 +189,7 @@ class HttpCoach:
                 self.failures["coach_unavailable"] += 1
                 raise CoachFailure("coach_unavailable", str(exc)) from None
             try:
-                return await self._attempt(messages, probe)
+                return await self._attempt(messages, probe, *sampling)
             except _Retryable as exc:
                 self.errors[exc.kind] += 1
                 # An outage (breaker open) pauses the request instead of using its budget:
@@ -191,9 +211,10 @@ class HttpCoach:
                          attempt)
                 await asyncio.sleep(wait)
 
-    async def _attempt(self, messages: list[dict[str, str]], probe: bool) -> str:
+    async def _attempt(self, messages: list[dict[str, str]], probe: bool, max_tokens: int,
+                       temperature: float, extra_body: dict[str, Any]) -> str:
         assert self._client is not None and self._slots is not None
-        estimate = sum(len(m["content"]) for m in messages) / 4 + self.endpoint.max_tokens
+        estimate = sum(len(m["content"]) for m in messages) / 4 + max_tokens
         settled = False
         try:
             async with self._slots:
@@ -208,9 +229,8 @@ class HttpCoach:
                     async with asyncio.timeout(self.endpoint.timeout_s):
                         response = await self._client.chat.completions.create(
                             model=self.endpoint.model, messages=messages,
-                            max_tokens=self.endpoint.max_tokens,
-                            temperature=self.endpoint.temperature,
-                            extra_body=self.endpoint.extra_body or None)
+                            max_tokens=max_tokens, temperature=temperature,
+                            extra_body=extra_body or None)
                 except (TimeoutError, openai.APITimeoutError):
                     raise _Retryable("timeout") from None
                 except openai.APIConnectionError:

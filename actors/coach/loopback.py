@@ -16,7 +16,8 @@ request in the next planned mode, else in `default` mode:
 A backward-chain prompt (one that asks for CONTRIBUTION) gets `CONTRIBUTION: D` and a
 `RESIDUAL:` line in `ok` mode. The server runs its own event loop in a daemon thread, so a
 test's loop, a Ray actor in another process and a benchmark can all call it; `requests`
-records (monotonic time, mode) of every request it received. Start with `LoopbackJudge()`,
+records (monotonic time, mode) of every request it received, `peak_in_flight` the most it
+was answering at once (a client's concurrency bound, seen from the server). Start with `LoopbackJudge()`,
 stop with `close()`. CPU, standalone: `python -m actors.coach.loopback --delay 3`.
 """
 from __future__ import annotations
@@ -48,6 +49,8 @@ class LoopbackJudge:
         self.score: int | None = None  # fixed PROCESS_SCORE in ok mode (None: from a hash)
         self.requests: list[tuple[float, str]] = []
         self.replies: list[tuple[list[dict], str]] = []  # (messages, reply text) answered
+        self.settings: list[dict] = []  # each request's body less its messages (max_tokens, …)
+        self.in_flight = self.peak_in_flight = 0  # requests being answered now, and the most
         self._plan: deque[str] = deque()
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -129,8 +132,20 @@ class LoopbackJudge:
             return mode, self.delay_s, self.retry_after_s, self.score
 
     async def _handle(self, request: web.Request) -> web.Response:
+        with self._lock:
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        try:
+            return await self._answer(request)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+    async def _answer(self, request: web.Request) -> web.Response:
         body = await request.json()
         mode, delay, retry_after, score = self._next_mode()
+        with self._lock:
+            self.settings.append({k: v for k, v in body.items() if k != "messages"})
         if mode == "hang":
             await asyncio.sleep(3600)  # cancelled when the client gives up and disconnects
         if mode == "down":  # drop this connection without an answer

@@ -14,6 +14,10 @@ f_t = α·p_t + β·Δ_t with Δ_t = D/10 in [−1, 1] from the backward chain o
 episode kept (`on_path`); a candidate the episode did not continue from did not produce the
 outcome, so it gets Δ_t = 0 (F.3: steps that did not affect the outcome get small |Δ_t|).
 `coach_score` always holds p_t.
+
+The pool also answers `consult` for the advisor (`coach.advisor`, actors/coach/advisor.py):
+a non-trained model episodes ask for feedback over the same endpoints and limits; it commits
+nothing, and its counters appear as `advisor/…` in `stats()`.
 """
 from __future__ import annotations
 
@@ -27,11 +31,12 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Protocol
 
+from actors.coach.advisor import Advisor
 from actors.coach.config import CoachConfig
 from actors.coach.http import CoachFailure
 from actors.coach.parse import Verdict
 from actors.coach.stats import ScoreBook
-from actors.episode import CoachRequest
+from actors.episode import Advice, AdviceRequest, CoachRequest
 from buffers.schema import RewardCommit
 
 log = logging.getLogger(__name__)
@@ -89,6 +94,9 @@ class CoachPool:
         self.fatal: str | None = None  # a programming error in the coach: stops the run
         self.paused = False  # control/coach pause: workers take no new job; rows wait, none drop
         self._resumed: asyncio.Event | None = None
+        # built here, in the pool's process, so a coach's judges it shares stay one object
+        self.advisor = (Advisor(cfg, getattr(coach, "members", None))
+                        if cfg.advisor.enabled else None)
 
     def check(self) -> None:
         """Raise the coach's programming error, if one happened (the controller polls this)."""
@@ -165,6 +173,19 @@ class CoachPool:
         fresh = self._fresh(requests)
         results = await self._run(fresh)
         return {r.step_id: r for r in results}
+
+    async def consult(self, request: AdviceRequest) -> Advice:
+        """The advisor's reply to one episode's question; a failure comes back as an Advice
+        with `failed_reason` (logged and counted), which the episode raises as AdvisorFailure.
+
+        Not paused by `pause()`: an episode waits on this answer, and holding it would hold
+        the rollouts that `control/coach` pause means to keep running.
+        """
+        if self.advisor is None:
+            raise RuntimeError("an episode called consult but coach.advisor.enabled=false: set "
+                               "coach.advisor.enabled=true (with coach.advisor.endpoints, or "
+                               "coach.kind=http to share the judges)")
+        return await self.advisor.consult(request)
 
     async def _score(self, request: CoachRequest) -> tuple[Verdict | None, str | None]:
         start = time.perf_counter()
@@ -266,6 +287,8 @@ class CoachPool:
         out.update(coach)
         if "calls" in coach:
             out["calls_per_s"] = coach["calls"] / elapsed
+        if self.advisor is not None:
+            out.update({f"advisor/{k}": v for k, v in self.advisor.stats().items()})
         return {k: float(v) for k, v in out.items()}
 
     def histograms(self) -> dict[str, list[float]]:
@@ -278,6 +301,8 @@ class CoachPool:
         for worker in self._workers:
             worker.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)
+        if self.advisor is not None:
+            await self.advisor.close()
         await self.coach.close()
 
 
