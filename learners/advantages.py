@@ -3,7 +3,6 @@
 The estimators are pure numpy functions over row-level arrays (N rows); nothing here loops over
 tokens. `ADVANTAGES` maps a `LearnerConfig.advantage` name to an adapter that reads the needed
 STEP_SCHEMA columns from an Arrow table, and `compute_advantages` dispatches through it.
-`delta_rewards` (UnityMAS-O) is a reward transform a workflow applies, not an estimator.
 
 Arithmetic runs in float64 and the result is cast to float32, so group statistics of a few
 thousand rows carry no float32 cancellation error.
@@ -11,7 +10,6 @@ thousand rows carry no float32 cancellation error.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from itertools import pairwise
 
 import numpy as np
 import pyarrow as pa
@@ -392,33 +390,6 @@ def magrpo(
     """
     returns = joint_returns(rewards, episode_ids, agents, turns, branches, candidates, gamma)
     return grpo(returns, group_ids, std_normalize=std_normalize)
-
-
-def delta_rewards(scores: Sequence[float]) -> list[float]:
-    """Score-delta rewards of a refine loop (UnityMAS-O §6, Workflow D; Table 2).
-
-    Round 1 is credited with its verifier score s_1, round t > 1 with the improvement
-    s_t − s_{t−1} it made over the previous verified solution (negative after a regression).
-    The rewards telescope: they sum to the last score. No rounds give no rewards ([]).
-
-    A reward transform, not an estimator: a workflow sets these as its rows' rewards before
-    they are trained, e.g. with `reinforce_pp`.
-
-    Args:
-        scores: the verifier score after each round, s_1..s_T (e.g. test pass rates).
-
-    Returns:
-        T floats, one per round.
-
-    Raises:
-        ValueError: for a score that is not a finite number, naming its round.
-    """
-    values = [float(s) for s in scores]
-    for t, s in enumerate(values, start=1):
-        if not np.isfinite(s):
-            raise ValueError(f"delta_rewards: the score of round {t} is {s}; give every "
-                             "round a finite verifier score (e.g. 0.0 for code that did not run)")
-    return values[:1] + [now - before for before, now in pairwise(values)]
 
 
 def _floats(table: pa.Table, name: str) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""MAGRPO joint-tree returns and advantages, and UnityMAS-O delta rewards, against hand-computed
+"""MAGRPO joint-tree returns and advantages against hand-computed
 numbers (DESIGN §6)."""
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from buffers.schema import StepRecord, group_key, records_to_table, tree_path
 from learners.advantages import (
     ADVANTAGES,
     compute_advantages,
-    delta_rewards,
     joint_returns,
     magrpo,
 )
@@ -201,25 +200,8 @@ def test_magrpo_gamma_merges_from_overrides():
         OmegaConf.to_object(OmegaConf.merge(merged, {"magrpo_gamma": 2.0}))
 
 
-# --- delta rewards (UnityMAS-O §6, Workflow D) -------------------------------------------------
-
-def test_delta_rewards_credit_the_first_score_then_each_improvement():
-    # Scores 0.2, 0.5, 0.4, 1.0 -> 0.2, 0.5 − 0.2, 0.4 − 0.5 (a regression), 1.0 − 0.4;
-    # they sum to the last score.
-    rewards = delta_rewards([0.2, 0.5, 0.4, 1.0])
-    assert rewards == pytest.approx([0.2, 0.3, -0.1, 0.6])
-    assert sum(rewards) == pytest.approx(1.0)
-    assert delta_rewards(np.array([0.0, 0.0])) == [0.0, 0.0]  # no improvement, no credit
 
 
-def test_delta_rewards_of_one_round_and_of_none():
-    assert delta_rewards([0.7]) == [0.7]
-    assert delta_rewards([]) == []
-
-
-def test_delta_rewards_reject_a_missing_score():
-    with pytest.raises(ValueError, match="round 2 is nan"):
-        delta_rewards([0.5, float("nan"), 1.0])
 
 
 def test_delta_is_a_reward_transform_not_an_estimator():
