@@ -20,6 +20,7 @@ import ray
 
 from runtime.bus import (Checkpoint, CoachControl, Command, Pause, Resume, ScaleRollout,
                          SetStaleness, Stop)
+from runtime.failures import ACTOR_GONE
 
 if TYPE_CHECKING:
     from runtime.bus_service import BusService
@@ -132,7 +133,7 @@ class RunControl:
         for model_id in models:
             try:
                 steps = ray.get(run.learners[model_id].steps_since.remote(self._versions[model_id]))
-            except ray.exceptions.RayActorError:
+            except ACTOR_GONE:
                 continue  # its process died: the supervision loop restarts it
 
             for step in steps:

@@ -35,6 +35,7 @@ from runtime.buffer_actor import BufferActor, leave_resume_file
 from runtime.bus_service import BusService
 from runtime.config import TroupeConfig, to_yaml
 from runtime.control import RunControl
+from runtime.failures import ACTOR_GONE
 from runtime.dtype import resolve_dtype
 from runtime.learner_worker import LearnerWorker, complete_checkpoints
 from runtime.metrics import MetricsWriter
@@ -211,7 +212,7 @@ class Run:
                     model_id = pending_learners.pop(ref)
                     try:
                         summary = ray.get(ref)  # re-raises a learner's error: the run stops
-                    except ray.exceptions.RayActorError as exc:  # its process died
+                    except ACTOR_GONE as exc:  # its process died
                         pending_learners[self._restart_learner(model_id, exc)] = model_id
                         continue
                     log.info("learner %s finished: v%d", model_id, summary["version"])
@@ -402,7 +403,7 @@ class Run:
         while True:
             try:
                 return ray.get(getattr(actor, method).remote(*args))
-            except ray.exceptions.RayActorError as exc:
+            except ACTOR_GONE as exc:
                 if time.monotonic() > deadline:
                     raise
                 log.warning("%s unavailable (%s); waiting for its restart", what,
@@ -413,7 +414,7 @@ class Run:
         """A learner's progress; while its process is dead or restarting, the last one seen."""
         try:
             progress = ray.get(self.learners[model_id].progress.remote())
-        except ray.exceptions.RayActorError:
+        except ACTOR_GONE:
             return self.last_progress.get(model_id, {"version": 0, "in_step_s": 0.0})
         self.last_progress[model_id] = progress
         return progress
@@ -425,7 +426,7 @@ class Run:
         for index, actor in self.rollouts.items():
             try:
                 stats.append(ray.get(actor.stats.remote()))
-            except ray.exceptions.RayActorError:
+            except ACTOR_GONE:
                 log.info("rollout actor %d is dead; wait() replaces it", index)
         return stats
 

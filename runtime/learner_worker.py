@@ -24,6 +24,7 @@ import numpy as np
 from learners.prepare import prepare_batch
 from learners.config import LearnerConfig
 from learners.protocol import build_learner
+from runtime.failures import ACTOR_GONE
 
 log = logging.getLogger("troupe.learner")
 
@@ -213,13 +214,11 @@ class LearnerWorker:
         """Call the buffer, retrying while Ray restarts it after a crash of its process (it
         rebuilds itself from its log, runtime/buffer_actor.py); a buffer that stays down for
         BUFFER_RESTART_S, or is dead for good, fails the learner and with it the run."""
-        import ray
-
         deadline = time.monotonic() + BUFFER_RESTART_S
         while True:
             try:
                 return await getattr(self.buffer, method).remote(*args)
-            except ray.exceptions.RayActorError as exc:
+            except ACTOR_GONE as exc:
                 if time.monotonic() > deadline:
                     raise
                 self.buffer_retries += 1  # counted in the summary

@@ -11,13 +11,12 @@ import logging
 import os
 import time
 
-import ray
-
 from actors.episode import Advice, AdviceRequest, CoachRequest, ModelRoute
 from actors.engines.client import EngineClient
 from actors.rollout import RolloutActor, RolloutConfig
 from actors.workflows import WorkflowConfig
 from buffers.schema import RewardCommit, StepBatch, StepRecord, records_to_table
+from runtime.failures import ACTOR_GONE
 
 log = logging.getLogger("troupe")
 
@@ -67,7 +66,7 @@ class RayRolloutPorts:
         while True:
             try:
                 return await buffer.try_add.remote(batch, origin)
-            except ray.exceptions.RayActorError as exc:
+            except ACTOR_GONE as exc:
                 if time.monotonic() > deadline:
                     raise
                 log.warning("buffer %s unavailable while shipping (%s); checking what arrived",
@@ -75,7 +74,7 @@ class RayRolloutPorts:
                 await asyncio.sleep(1.0)
                 try:
                     arrived = (await buffer.received_rows.remote([origin]))[origin]
-                except ray.exceptions.RayActorError:
+                except ACTOR_GONE:
                     continue  # still restarting
                 if arrived >= len(records):
                     return True  # accepted and logged before the crash
