@@ -415,16 +415,19 @@ def _at_grpo_from_table(
     )
 
 
+def _tree_columns(table: pa.Table) -> tuple[list, list, np.ndarray, list, np.ndarray]:
+    """episode_ids, agents, turns, branches, candidates: where each row sits in its tree."""
+    return (table.column("episode_id").to_pylist(), table.column("agent").to_pylist(),
+            table.column("turn").to_numpy(), table.column("branch").to_pylist(),
+            table.column("candidate").to_numpy())
+
+
 def _reinforce_pp_from_table(
     cfg: LearnerConfig, table: pa.Table, kl: np.ndarray | None
 ) -> np.ndarray:
     return reinforce_pp(
         _floats(table, "reward"),
-        table.column("episode_id").to_pylist(),
-        table.column("agent").to_pylist(),
-        table.column("turn").to_numpy(),
-        table.column("branch").to_pylist(),
-        table.column("candidate").to_numpy(),
+        *_tree_columns(table),
         pc.list_value_length(table.column("response_ids")).to_numpy(),
         kl=kl,
         beta=cfg.reward_kl_beta,
@@ -435,11 +438,7 @@ def _magrpo_from_table(cfg: LearnerConfig, table: pa.Table, kl: np.ndarray | Non
     return magrpo(
         _floats(table, "reward"),
         table.column("group_key").to_pylist(),
-        table.column("episode_id").to_pylist(),
-        table.column("agent").to_pylist(),
-        table.column("turn").to_numpy(),
-        table.column("branch").to_pylist(),
-        table.column("candidate").to_numpy(),
+        *_tree_columns(table),
         gamma=cfg.magrpo_gamma,
         std_normalize=cfg.std_normalize,
     )
