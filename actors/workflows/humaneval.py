@@ -60,6 +60,12 @@ _BUILD_LIMIT_FACTOR = 5  # the program's module body may take this many test lim
 _MAX_TIMEOUTS = 2  # after this many timed-out tests a job's remaining tests count as timeouts
 
 
+def slowest_job_s(test_timeout_s: float) -> float:
+    """The longest a job can run before the harness ends it: a build of `_BUILD_LIMIT_FACTOR`
+    test limits plus `_MAX_TIMEOUTS` timed-out tests. A sandbox timeout below it cuts jobs."""
+    return (_BUILD_LIMIT_FACTOR + _MAX_TIMEOUTS) * test_timeout_s
+
+
 # ------------------------------------------------------------------------------ data
 
 @functools.lru_cache(maxsize=1)

@@ -82,8 +82,6 @@ from actors.sandbox import SandboxConfig, SandboxError, python_blocks
 from actors.workflows.base import Task
 from actors.workflows.code_duo import results_text
 from actors.workflows.humaneval import (
-    _BUILD_LIMIT_FACTOR,
-    _MAX_TIMEOUTS,
     HumanEvalTasks,
     Job,
     JobResult,
@@ -91,6 +89,7 @@ from actors.workflows.humaneval import (
     coder_program,
     hidden_suite,
     run_jobs,
+    slowest_job_s,
 )
 from actors.workflows.math_duo import clip
 from actors.workflows.registry import register
@@ -166,8 +165,7 @@ class ReflectCodeConfig:
         if not 0 < self.eval_fraction < 1:
             raise ValueError(f"workflow.params.eval_fraction={self.eval_fraction}: use a value "
                              "in (0, 1) (0.2 puts 28 of HumanEval's 164 problems in eval)")
-        # the harness gives the build 5 test limits and stops a job after 2 timeouts
-        slowest = (_BUILD_LIMIT_FACTOR + _MAX_TIMEOUTS) * self.test_timeout_s
+        slowest = slowest_job_s(self.test_timeout_s)
         if self.sandbox.timeout_s < slowest:
             raise ValueError(
                 f"workflow.params.sandbox.timeout_s={self.sandbox.timeout_s} is below "
