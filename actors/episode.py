@@ -300,6 +300,16 @@ class Episode:
             raise AdvisorFailure(advice)
         return advice
 
+    def advisor_scalars(self) -> dict[str, float]:
+        """This episode's advisor counters (`episode/<workflow>/advisor_…` once averaged over a
+        round, `eval/<workflow>/advisor_…` in evaluation): calls and failures, and the mean
+        wait of one advice (only where the episode asked)."""
+        out = {"advisor_calls": float(self.advisor_calls),
+               "advisor_failures": float(self.advisor_failures)}
+        if self.advisor_calls:
+            out["advisor_latency_s"] = self.advisor_latency_s / self.advisor_calls
+        return out
+
     def reward(self, step_id: str, *, reward: float | None = None,
                reward_local: float | None = None, reward_team: float | None = None,
                outcome: float | None = None) -> None:

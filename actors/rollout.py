@@ -303,7 +303,7 @@ class RolloutActor:
 
     def _report(self, results: list[dict[str, float]], episodes: list[Episode]) -> None:
         if any(ep.advisor_calls for ep in episodes):  # a workflow that consults: every episode
-            results = [{**r, **advisor_scalars(ep)} for r, ep in zip(results, episodes)]
+            results = [{**r, **ep.advisor_scalars()} for r, ep in zip(results, episodes)]
         self.ports.report(episode_scalars(self.workflow.name, results))
 
     def stats(self) -> dict:
@@ -320,16 +320,6 @@ class RolloutActor:
             "advisor_calls": self.advisor_calls, "advisor_failures": self.advisor_failures,
             "advisor_latency_s": self.advisor_latency_s,
         }
-
-
-def advisor_scalars(episode: Episode) -> dict[str, float]:
-    """One episode's advisor counters (`episode/<workflow>/advisor_…` once averaged): calls and
-    failures per episode, and the mean wait of one advice (only where the episode asked)."""
-    out = {"advisor_calls": float(episode.advisor_calls),
-           "advisor_failures": float(episode.advisor_failures)}
-    if episode.advisor_calls:
-        out["advisor_latency_s"] = episode.advisor_latency_s / episode.advisor_calls
-    return out
 
 
 def episode_scalars(workflow: str, results: list[dict[str, float]]) -> dict[str, float]:

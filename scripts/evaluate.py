@@ -20,7 +20,9 @@ Each task is played as one episode per sample (group size 1: a tree workflow ask
 candidate per action), at most `--concurrency` at once; every action is scored by the run's
 coach. Greedy replies depend on the server's batching only through rounding: in bf16 two
 greedy evaluations of 16 tasks once differed on one task (`--concurrency 1` takes batching
-out of it).
+out of it). A workflow that consults the advisor (magrpo_code with `turns` > 1) asks the run's
+`coach.advisor` here as in training; its calls, failures and latency are printed and kept
+under `advisor` in the JSON, and per episode as `advisor_calls` / `advisor_latency_s`.
 
 Output: a table on stdout, `runs/<id>/eval/<label>.json` and TensorBoard scalars in
 `runs/<id>/tensorboard` at step = the weights version (0 for the base model):
@@ -48,9 +50,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a bare checkout
 
 from actors.coach import CoachFailure, build_coach  # noqa: E402
+from actors.coach.advisor import Advisor  # noqa: E402
 from actors.engines.client import EngineClient  # noqa: E402
 from actors.engines.sglang import SGLangEngine  # noqa: E402
 from actors.episode import CoachRequest, Episode, ModelRoute, SamplingParams  # noqa: E402
@@ -257,6 +262,7 @@ class Player:
     sampling: SamplingParams
     concurrency: int
     run_id: str
+    advisor: Advisor | None = None  # coach.advisor, for workflows that consult (MAGRPO H > 1)
 
     async def play_all(self, tasks: list[Task], samples: int, label: str) -> list[Played]:
         limit = asyncio.Semaphore(self.concurrency)
@@ -285,9 +291,12 @@ class Player:
             run_id=self.run_id, workflow=self.workflow.name, task_id=task.task_id,
             round_id=new_id(), round_size=1, round_index=0, group_size=1,
             agent_models=dict(self.cfg.workflow.agents), routes=self.routes,
-            sampling=self.sampling, truth=task.truth, problem=task.prompt)
-        result = await self.workflow.run(task, episode)
-        return Played(task.task_id, sample, dict(result), action_rows(episode),
+            sampling=self.sampling, truth=task.truth, problem=task.prompt,
+            advisor=self.advisor.consult if self.advisor is not None else None)
+        result = dict(await self.workflow.run(task, episode))
+        if self.advisor is not None:
+            result.update(episode.advisor_scalars())
+        return Played(task.task_id, sample, result, action_rows(episode),
                       episode.coach_requests(result.get("success")))
 
 
@@ -364,6 +373,10 @@ def render(report: dict[str, Any]) -> str:
             for agent, a in report["metrics"]["agents"].items()]
     lines.append(format_table(["agent", "model", "actions", "response_len", "tool_call_rate",
                                "tool_success", f"coach_score ({coach['kind']})"], rows))
+    if "advisor" in report:
+        adv = report["advisor"]
+        lines.append(f"advisor: {adv['calls']:.0f} calls, {adv['failures']:.0f} failed, "
+                     f"latency mean {adv['latency_s']:.2f} s, p95 {adv['latency_p95_s']:.2f} s")
     if not coach["available"]:
         lines.append(f"coach unavailable: {coach['reason']}")
     elif coach["failed"]:
@@ -487,16 +500,24 @@ async def evaluate(args: argparse.Namespace, cfg: TroupeConfig, run_dir: Path,
                             cfg.models[m].chat_template_kwargs)
               for m, e in engines.items()}
     coach = CoachScores(cfg, workflow)
+    # the run's advisor, as its episodes consulted it in training (its own endpoints, or the
+    # coach's judges); unlike the coach column it is part of the episode, so it must build
+    advisor = (Advisor(cfg.coach, getattr(coach.coach, "members", None))
+               if cfg.coach.advisor.enabled else None)
     player = Player(cfg, workflow, routes, coach, SamplingParams(args.temperature, 1.0),
-                    args.concurrency, run_dir.name)
+                    args.concurrency, run_dir.name, advisor)
     reports: list[dict[str, Any]] = []
     try:
         for target in targets:
             await load_weights(engines, target)
             started = time.monotonic()
+            before = ((advisor.calls, sum(advisor.failures.values()))
+                      if advisor is not None else (0, 0))
             played = await player.play_all(tasks, args.samples, target.label)
             report = make_report(args, cfg, run_dir, target, tasks, played, coach,
                                  time.monotonic() - started)
+            if advisor is not None:
+                report["advisor"] = advisor_summary(advisor, before)
             text = render(report)
             if reports and args.compare_base:  # base first, then these weights
                 deltas_text, report["delta_vs_base"] = render_deltas(reports[0], report)
@@ -507,9 +528,23 @@ async def evaluate(args: argparse.Namespace, cfg: TroupeConfig, run_dir: Path,
             reports.append(report)
     finally:
         await coach.close()
+        if advisor is not None:
+            await advisor.close()
         for client in clients.values():
             await client.aclose()
     return reports
+
+
+def advisor_summary(advisor: Advisor, before: tuple[int, int]) -> dict[str, float]:
+    """The advisor's calls, failures and latency (seconds, per consult, answered or failed)
+    during one target's evaluation: what happened since `before` (calls, failures)."""
+    calls = advisor.calls - before[0]
+    recent = list(advisor.latencies)[-calls:] if calls else []  # the window keeps 4096
+    lat = np.asarray(recent) if recent else np.zeros(1)
+    return {"calls": float(calls),
+            "failures": float(sum(advisor.failures.values()) - before[1]),
+            "latency_s": float(lat.mean()), "latency_p50_s": float(np.percentile(lat, 50)),
+            "latency_p95_s": float(np.percentile(lat, 95)), "latency_max_s": float(lat.max())}
 
 
 def make_report(args: argparse.Namespace, cfg: TroupeConfig, run_dir: Path, target: Target,

@@ -47,6 +47,28 @@ Both modes come from the authors' released trainer (its `joint_mode` setting):
            scores the G² pairs (identical pairs once) and all read the matrix. A round of
            one (scripts/evaluate.py plays rounds of one) is aligned.
 
+Multi-turn (`turns` = H > 1; the paper's setting is H = 2 with external feedback, line 215,
+Figure 5, and γ = 1.0, line 544). One episode a task holds the whole joint tree (Algorithm 1
+steps 5-8, the released trainer's tree expansion): at a node both agents draw G replies from
+their prompts (`Episode.act(n=G)`, so an agent's G rows at a node are its group, and each
+row's `branch` is the node's tree path), the g-th replies form joint action g, scored by the
+level reward like a single-turn pair. Then, unless t = H - 1 or the node terminates early
+(`termination_threshold`: the mean of its G joint rewards above it, the released trainer's
+rule), every scored joint action g is shown to the advisor (`Episode.consult`, DESIGN §14:
+the coach pool's endpoints, limits, retries and breaker) with appendix D's external-agent
+prompt (lines 647-656: problem, example tests, the joint program) and expands into its own
+child node on branch `tree_path(branch, g)`, whose prompts are each agent's first-turn prompt,
+its previous reply and the advisor's words for it (line 687; `split_feedback` takes the
+reply's `aux`/`main` JSON fields, else the whole reply). A full tree has 1 + G + ... + G^(H-1)
+nodes and G^H leaves. The advisor's reply is an observation, never a row; when the pool gives
+up on it (`AdvisorFailure`, counted) the child is still played, its prompt saying that no
+feedback came (the released code also goes on without edits). Train with `advantage: magrpo`
+and `buffer.readiness: episode`: a joint action's return is its reward plus γ times the mean
+return of its child node's G joint actions (learners/advantages.py `joint_returns`), and eq. 1
+runs within each node's G joint actions; the whole tree is one episode, so it reaches the
+learner in one piece. Only the latest turn's reply and feedback enter a prompt (H > 2 keeps
+prompts bounded); cross mode is single-turn only (a node would have G² children).
+
 Rows: `reward` = `reward_team` = the row's joint reward (divided by 4.0 with
 `normalize_reward`; off by default: eq. 1's std makes the advantage the same either way, and the
 paper normalises only to report, Table 2 "normalized within the return scale"), `outcome` =
@@ -77,12 +99,14 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import json
 import logging
 import math
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from actors.episode import Action
+from actors.episode import Action, AdvisorFailure
 from actors.sandbox import SandboxConfig, SandboxError
 from actors.workflows.base import Task
 from actors.workflows.humaneval import (HumanEvalTasks, Job, JobResult, Suite, hidden_suite,
@@ -91,6 +115,7 @@ from actors.workflows.magrpo_code_reward import (MAX_REWARD, CodeChecks, LevelRe
                                                  code_checks, level_reward)
 from actors.workflows.registry import register
 from actors.workflows.tools import CodeTool
+from buffers.schema import tree_path
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +153,40 @@ def {entry_point}({params}):
     # your function code here
     return result"""
 
+# Appendix D, "External Agent" (lines 647-656), one instruction a line; the JSON line shows the
+# form the reply is parsed in (`split_feedback`), the appendix's `{ "aux": {{...}}, ...}`.
+ADVISOR_PROMPT = """You are an advisor helping 2 agents (an auxiliary agent and a main agent) \
+solve the following problem. The auxiliary agent provides a helper function (aux), while the \
+main agent defines the task-specific logic.
+Problem:
+{prompt}
+Example tests:
+{test}
+Show your feedback and edits for the following code:
+{combined_code}
+Instructions:
+- If you identify a missing element, such as an undefined aux or missing entry point (main \
+function), you should write one for it.
+- If both are not missing, point out and make changes to any critical syntax or logic errors \
+that would prevent the code from passing the given unit tests.
+- You should focus only on clear errors on the given unit tests, be conservative and lenient, \
+ignoring issues like redundancy, inefficiency, lack of edge case handling, or type annotations.
+- Return "Perfect! No edits needed!" if the logic is sound.
+Your response MUST contain the JSON format specified below. Always include both aux and main \
+fields, even if no edits are needed.
+{{"aux": "...", "main": "..."}}"""
+# A later turn's prompt (line 687: "the suggestions, as well as the prior information and their
+# previous response, are incorporated into the prompt for the subsequent round"): the agent's
+# first-turn prompt, its reply of the turn before and the advisor's words for it.
+FOLLOWUP = """{first}
+
+Your previous response:
+{previous}
+
+Here is the feedback from an advisor:
+{feedback}"""
+NO_FEEDBACK = "(no feedback: the advisor did not answer)"
+
 
 @dataclass
 class MagrpoCodeConfig:
@@ -139,6 +198,16 @@ class MagrpoCodeConfig:
     aux_prefix: str = ""
     main_prefix: str = ""
     normalize_reward: bool = False  # rows carry the level total / 4.0 (in [0, 1]) instead
+    # H, the turns of the joint tree (1: single-turn; the paper's multi-turn setting is 2,
+    # Figure 5); between turns the advisor (coach.advisor) comments on every joint action
+    turns: int = 1
+    # a node whose G joint rewards average above this is not expanded (the released trainer's
+    # early termination); null: every node expands to the horizon (Algorithm 1)
+    termination_threshold: float | None = None
+    feedback_chars: int = 2000  # at most this much of the advisor's feedback enters a prompt
+    # each of the advisor prompt's {prompt}, {test} and {combined_code} cut to this many
+    # characters (0: whole); a small advisor model's context is short
+    advisor_field_chars: int = 0
     test_timeout_s: float = 10.0  # wall clock per hidden test (line 572: 10 s)
     eval_fraction: float = 0.2  # HumanEval's eval split: blake2b(task_id) / 2**64 below this
     # where the joint program runs (one run per scored pair; the build may take 5 test limits)
@@ -159,6 +228,22 @@ class MagrpoCodeConfig:
         if not 0 < self.eval_fraction < 1:
             raise ValueError(f"workflow.params.eval_fraction={self.eval_fraction}: use a value "
                              "in (0, 1) (0.2 puts 28 of HumanEval's 164 problems in eval)")
+        if self.turns < 1:
+            raise ValueError(f"workflow.params.turns={self.turns}: must be >= 1 (1: single-turn; "
+                             "the paper's multi-turn setting uses 2)")
+        if self.turns > 1 and self.joint_mode != "aligned":
+            raise ValueError(f"workflow.params.joint_mode={self.joint_mode!r} with turns="
+                             f"{self.turns}: the multi-turn joint tree expands aligned joint "
+                             "actions only (cross would give G^2 children a node); use "
+                             "joint_mode=aligned, or turns=1 for cross")
+        if self.termination_threshold is not None and not math.isfinite(
+                self.termination_threshold):
+            raise ValueError(f"workflow.params.termination_threshold="
+                             f"{self.termination_threshold}: give a finite reward (the level "
+                             "scale, 0..4, or 0..1 with normalize_reward), or null")
+        for name in ("feedback_chars", "advisor_field_chars"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"workflow.params.{name}={getattr(self, name)}: must be >= 0")
         if self.sandbox.timeout_s < 2 * self.test_timeout_s:
             raise ValueError(f"workflow.params.sandbox.timeout_s={self.sandbox.timeout_s} is "
                              f"below 2 x test_timeout_s={self.test_timeout_s}: one slow test "
@@ -183,6 +268,50 @@ def prompts(task: Task) -> dict[str, str]:
     return {"aux": AUX_PROMPT.format(prompt=problem),
             "main": MAIN_PROMPT.format(prompt=problem, entry_point=entry_point,
                                        params=signature_params(task.prompt, entry_point))}
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if not limit or len(text) <= limit else text[:limit] + "\n..."
+
+
+def advisor_messages(task: Task, program: str, field_chars: int = 0) -> list[dict[str, str]]:
+    """The advisor's chat for one joint action: appendix D's external-agent prompt with the
+    task, its tests and the joint program (each cut to `field_chars` when > 0)."""
+    return [{"role": "user", "content": ADVISOR_PROMPT.format(
+        prompt=_cut(task.prompt.strip("\n"), field_chars),
+        test=_cut(task.extra["test"].strip("\n"), field_chars),
+        combined_code=_cut(program, field_chars))}]
+
+
+_JSON_OBJECT = re.compile(r"\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}", re.S)
+
+
+def split_feedback(reply: str) -> dict[str, str]:
+    """Each agent's part of the advisor's reply: the `aux` and `main` fields of its last JSON
+    object that has either (the prompt asks for both); without one, both get the whole reply.
+    A missing or empty field falls back to the whole reply too: the agent still sees what the
+    advisor said."""
+    for candidate in reversed(_JSON_OBJECT.findall(reply)):
+        try:
+            parsed = json.loads(candidate)
+        except ValueError:
+            continue
+        if isinstance(parsed, dict) and ("aux" in parsed or "main" in parsed):
+            return {agent: _field_text(parsed.get(agent)) or reply.strip() for agent in AGENTS}
+    return {agent: reply.strip() for agent in AGENTS}
+
+
+def _field_text(value) -> str:
+    if value is None:
+        return ""
+    return value.strip() if isinstance(value, str) else json.dumps(value)
+
+
+def followup_prompt(first: str, previous: str, feedback: str | None, limit: int) -> str:
+    """A later turn's prompt for one agent (FOLLOWUP); `feedback` None: the advisor failed."""
+    return FOLLOWUP.format(first=first, previous=previous.strip("\n"),
+                           feedback=_cut(feedback, limit) if feedback is not None
+                           else NO_FEEDBACK)
 
 
 @dataclass(frozen=True)
@@ -248,6 +377,64 @@ class _CrossRound:
         return await self.matrix
 
 
+@dataclass
+class _Tree:
+    """What one multi-turn episode's joint tree did, for its metrics."""
+
+    joint: list[tuple[int, Action, Action, PairScore]] = field(default_factory=list)
+    leaves: list[PairScore] = field(default_factory=list)  # joint actions nothing expanded
+    nodes: int = 0
+    terminated: int = 0  # nodes stopped by termination_threshold before the horizon
+    unexpanded: int = 0  # unscored joint actions (sandbox failure) not expanded
+
+    def add(self, turn: int, auxes: list[Action], mains: list[Action],
+            scores: list[PairScore], leaves: bool, terminated: bool) -> None:
+        self.nodes += 1
+        self.terminated += terminated
+        self.joint.extend(zip([turn] * len(scores), auxes, mains, scores))
+        if leaves:
+            self.leaves.extend(scores)
+        else:
+            self.leaves.extend(p for p in scores if p.level is None)
+
+    def metrics(self, turns: int) -> dict[str, float]:
+        """`success`, `pass_rate`, `reward`: means over the final joint actions (the leaves;
+        a greedy evaluation's single path ends in one); `turn<t>/…`: over turn t's joint
+        actions (Figure 5's per-turn curves); the tree's shape; per-agent behaviour."""
+        def mean(values: list[float]) -> float:
+            return sum(values) / len(values) if values else 0.0
+
+        out = {"success": mean([float(p.success) for p in self.leaves]),
+               "pass_rate": mean([p.run.pass_rate if p.run else 0.0 for p in self.leaves]),
+               "nodes": float(self.nodes), "terminated_nodes": float(self.terminated),
+               "joint_actions": float(len(self.joint))}
+        scored_leaves = [p.level.total for p in self.leaves if p.level is not None]
+        if scored_leaves:
+            out["reward"] = mean(scored_leaves)
+        for t in range(turns):
+            at = [p for turn, _, _, p in self.joint if turn == t]
+            scored = [p.level.total for p in at if p.level is not None]
+            if scored:
+                out[f"turn{t}/reward"] = mean(scored)
+                out[f"turn{t}/success"] = mean([float(p.success) for p in at])
+        failures = sum(p.level is None for _, _, _, p in self.joint)
+        if failures:
+            out["sandbox_failures"] = float(failures)
+        actions = [a for _, aux, main, _ in self.joint for a in (aux, main)]
+        for agent in AGENTS:
+            mine = [a for a in actions if a.agent == agent]
+            out[f"behavior/{agent}/response_tokens"] = mean([len(a.response_ids) for a in mine])
+            out[f"behavior/{agent}/truncated"] = mean([a.finish_reason == "length" for a in mine])
+        checks = [p.checks for _, _, _, p in self.joint]
+        out.update({"behavior/aux/defines_aux": mean([c.aux_defined for c in checks]),
+                    "behavior/main/defines_entry_point": mean([c.main_defined for c in checks]),
+                    "behavior/main/calls_aux": mean([c.calls_aux for c in checks]),
+                    "behavior/main/wraps_aux": mean([c.wraps_aux for c in checks]),
+                    "behavior/main/discards_aux_result":
+                        mean([c.discards_aux_result for c in checks])})
+        return out
+
+
 @register("magrpo_code", MagrpoCodeConfig)
 class MagrpoCode:
     name = "magrpo_code"
@@ -257,13 +444,18 @@ class MagrpoCode:
 
     def __init__(self, cfg: MagrpoCodeConfig) -> None:
         self.cfg = cfg
+        # single-turn: a round of G parallel episodes (n = 1 each); multi-turn: one episode a
+        # task that draws the G joint actions of every node of its tree (n = G)
+        self.sampling = "joint" if cfg.turns == 1 else "tree"
         self.tool = CodeTool(cfg.sandbox)
         # HumanEval split by task id (an actors.tasks.TaskSplits, as code_duo's)
         self.make_task = HumanEvalTasks(cfg.eval_fraction)
         self._rounds: dict[str, _CrossRound] = {}  # cross mode: round_id -> its meeting point
 
     def groups_per_round(self, agent: str, group_size: int) -> int:
-        return 1  # the agent's G actions at turn 0 across the round
+        # single-turn: the agent's G actions across the round; multi-turn: one group a node of
+        # the full tree (1 + G + ... + G^(H-1)), fewer when nodes terminate early
+        return sum(group_size ** t for t in range(self.cfg.turns))
 
     def estimator_error(self, advantage: str) -> str:
         """Why a learner with `advantage` cannot train this workflow's rows ("" if it can);
@@ -353,6 +545,8 @@ class MagrpoCode:
 
     async def run(self, task: Task, episode) -> dict[str, float]:
         hidden = hidden_suite(task.extra["test"], task.extra["entry_point"])
+        if self.cfg.turns > 1:
+            return await self._run_tree(task, episode, hidden)
         cross = self.cfg.joint_mode == "cross" and episode.round_size > 1
         if cross:
             aux, main, matrix = await self._play_cross(episode, task, hidden)
@@ -366,6 +560,74 @@ class MagrpoCode:
         for action, pairs in ((aux, aux_pairs), (main, main_pairs)):
             self._record(episode, action, own, pairs, cross)
         return self._metrics(aux, main, own)
+
+    # ------------------------------------------------------------------ multi-turn
+    async def _run_tree(self, task: Task, episode, hidden: Suite) -> dict[str, float]:
+        """The joint tree of one task (module docstring, "Multi-turn"); returns its metrics."""
+        first = prompts(task)
+        entry_point = task.extra["entry_point"]
+        params = signature_params(task.prompt, entry_point)
+        prefixes = {"aux": self.cfg.aux_prefix, "main": self.cfg.main_prefix}
+        prefixes = {a: p.replace("{entry_point}", entry_point).replace("{params}", params)
+                    for a, p in prefixes.items()}
+        tree = _Tree()
+        await self._node(task, episode, hidden, tree, 0, "", dict(first), first, prefixes)
+        return tree.metrics(self.cfg.turns)
+
+    async def _node(self, task: Task, episode, hidden: Suite, tree: "_Tree", turn: int,
+                    branch: str, texts: dict[str, str], first: dict[str, str],
+                    prefixes: dict[str, str]) -> None:
+        """One node: both agents draw G replies from their prompts (Alg. 1 step 6), the g-th
+        replies form joint action g with one joint reward (step 7), and unless this is the
+        last turn or the node terminates early, each scored joint action gets the advisor's
+        feedback and expands into its own child node (step 8, a branch of its own)."""
+        cfg, size = self.cfg, episode.group_size
+        tokens = {"aux": cfg.aux_tokens, "main": cfg.main_tokens}
+
+        async def act(agent: str) -> list[Action]:
+            return await episode.act(agent, [{"role": "user", "content": texts[agent]}],
+                                     turn=turn, n=size, max_new_tokens=tokens[agent],
+                                     parent_branch=branch, prefix=prefixes[agent])
+
+        auxes, mains = await asyncio.gather(act("aux"), act("main"))
+        scores = await asyncio.gather(*(
+            self.score_pair(task, hidden, agent_code(a.text), agent_code(m.text))
+            for a, m in zip(auxes, mains)))
+        for aux, main, own in zip(auxes, mains, scores):
+            for action in (aux, main):
+                self._record(episode, action, own, [own], cross=False)
+        values = [self._value(p.level) for p in scores if p.level is not None]
+        stop = (cfg.termination_threshold is not None and bool(values)
+                and sum(values) / len(values) > cfg.termination_threshold)
+        expand = turn + 1 < cfg.turns and not stop
+        tree.add(turn, auxes, mains, scores, leaves=not expand, terminated=stop)
+        if not expand:
+            return
+        children = []
+        for g, (aux, main, own) in enumerate(zip(auxes, mains, scores)):
+            if own.level is None:  # unscored (sandbox failure): no reward to build on
+                tree.unexpanded += 1
+                continue
+            children.append(self._child(task, episode, hidden, tree, turn, branch, g,
+                                        (aux, main), own, first, prefixes))
+        await asyncio.gather(*children)
+
+    async def _child(self, task: Task, episode, hidden: Suite, tree: "_Tree", turn: int,
+                     branch: str, g: int, pair: tuple[Action, Action], own: PairScore,
+                     first: dict[str, str], prefixes: dict[str, str]) -> None:
+        """Joint action g's feedback, then its child node at turn + 1 on branch `branch.g`."""
+        try:
+            advice = await episode.consult(
+                advisor_messages(task, own.checks.program, self.cfg.advisor_field_chars),
+                purpose="feedback")
+            feedback: dict[str, str | None] = split_feedback(advice.text or "")
+        except AdvisorFailure:  # counted by the episode and the pool; go on without words
+            feedback = {agent: None for agent in AGENTS}
+        texts = {action.agent: followup_prompt(first[action.agent], action.text,
+                                               feedback[action.agent], self.cfg.feedback_chars)
+                 for action in pair}
+        await self._node(task, episode, hidden, tree, turn + 1, tree_path(branch, g), texts,
+                         first, prefixes)
 
     def _record(self, episode, action: Action, own: PairScore, pairs: list[PairScore],
                 cross: bool) -> None:

@@ -18,7 +18,7 @@ from actors.coach import (
 )
 from actors.coach.loopback import LoopbackJudge
 from actors.episode import AdvisorFailure, CoachRequest, Episode, SamplingParams
-from actors.rollout import advisor_scalars, episode_scalars
+from actors.rollout import episode_scalars
 from actors.workflows.arith_duo import ArithDuo, ArithDuoConfig
 
 CHAT = [{"role": "system", "content": "You are an advisor helping 2 agents."},
@@ -224,7 +224,7 @@ def test_round_metrics_average_the_advisor_counters_per_episode(judge):
         await pool.close()
 
     asyncio.run(main())
-    scalars = episode_scalars("magrpo_probe", [advisor_scalars(ep) for ep in episodes])
+    scalars = episode_scalars("magrpo_probe", [ep.advisor_scalars() for ep in episodes])
     assert scalars["episode/magrpo_probe/advisor_calls"] == pytest.approx(1.0)  # 2, 1, 0
     assert scalars["episode/magrpo_probe/advisor_failures"] == pytest.approx(1 / 3)
     assert scalars["episode/magrpo_probe/advisor_latency_s"] > 0  # over episodes that asked
