@@ -1,0 +1,127 @@
+"""`max_staleness: auto`: the smallest η that keeps a learner fed, from measured rates.
+
+The clock admits a unit while `issued < (v + η + 1) · B` (buffers/clock.py), so at most about
+(η + 1) · B units are in flight for a learner that consumes B units a step. By Little's law
+those units arrive at (η + 1) · B / W units a second, W being a unit's time from admission to
+READY (generation, then the coach's score). The learner keeps busy a share 1 − w of its time
+(w its waiting share) when they arrive at least (1 − w) · B / S units a second, S its step
+time. So
+
+    η + 1 ≥ (1 − w_target) · W / S,   η* = ⌈(1 − w_target) · W / S⌉ − 1,
+
+clamped to [floor, cap]. A fixed η cannot know W / S; it moves with the coach's latency and
+the learner's step (a 10 s coach over a 3 s step needs η ≈ 3, a 0.5 s coach η = 0).
+
+The model ignores what can also starve the learner: a rollout side too small to keep
+(η + 1) · B units going (slots, engine throughput). The measured wait corrects it: a window
+whose wait share is above the target raises η by one over the model (up to the cap) while a
+raise still helped, and stops raising when the last raise did not lower the wait (more η
+cannot help a rollout-bound run; it would only add staleness). Lowering waits `patience`
+windows in a row that all want a smaller η, so one quick window does not undo a raise, and
+never goes back to an η whose window waited too long while W / S is still as high (within
+10 %): without that it would flap between the model's η and the one the wait asked for. A wait
+counts as above the target only past a tolerance (`tolerance`, one point of share by default):
+a measured share sitting on the target is noise.
+
+`AutoStaleness.update(sample)` is a plain function of the samples it has seen: the driver
+feeds it one `RateSample` a window per model and applies what it returns (the clock's
+`set_max_staleness`, the bus, TensorBoard).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RateSample:
+    """One model's measurements over one window (means over the window's learner steps)."""
+
+    step_s: float  # learner time per step: sample, train, publish (busy time)
+    wait_s: float  # learner time per step spent waiting for a ready batch
+    unit_latency_s: float  # a unit's admission -> READY: generation plus coach latency
+    eta: int  # η in force during the window
+
+    @property
+    def wait_share(self) -> float:
+        total = self.step_s + self.wait_s
+        return self.wait_s / total if total > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A new η and why (published on the bus and in TensorBoard as it is)."""
+
+    eta: int
+    reason: str
+
+
+class AutoStaleness:
+    """η from measured rates for one model; see the module docstring."""
+
+    def __init__(self, cap: int, target_wait: float = 0.1, floor: int = 0,
+                 patience: int = 3, tolerance: float = 0.01) -> None:
+        """Args:
+            cap: the largest η it may choose (the user's hard bound on staleness).
+            target_wait: the learner's waiting share to stay under, in [0, 1).
+            floor: the smallest η it may choose.
+            patience: windows in a row that must all want a smaller η before it lowers.
+            tolerance: how far above `target_wait` a measured share must be to count.
+        """
+        if not 0 <= floor <= cap:
+            raise ValueError(f"auto staleness: need 0 <= floor ({floor}) <= cap ({cap})")
+        if not 0 <= target_wait < 1:
+            raise ValueError(f"auto staleness: target_wait={target_wait} must be in [0, 1)")
+        if patience < 1:
+            raise ValueError(f"auto staleness: patience={patience} must be >= 1")
+        self.cap, self.floor = cap, floor
+        self.target_wait, self.patience, self.tolerance = target_wait, patience, tolerance
+        self._lower_votes = 0
+        self._last_raise: tuple[int, float] | None = None  # (η before it, wait share then)
+        self._too_low: tuple[int, float] | None = None  # (an η that waited too long, W / S)
+
+    def model_eta(self, sample: RateSample) -> int:
+        """η* = ⌈(1 − target) · W / S⌉ − 1, unclamped (S > 0; W = 0 gives 0)."""
+        if sample.step_s <= 0:
+            return self.floor
+        return max(0, math.ceil((1 - self.target_wait) * sample.unit_latency_s
+                                / sample.step_s - 1e-9) - 1)
+
+    def update(self, sample: RateSample) -> Decision | None:
+        """The η to set after this window, or None to keep `sample.eta`."""
+        current, wait = sample.eta, sample.wait_share
+        ratio = sample.unit_latency_s / sample.step_s if sample.step_s > 0 else 0.0
+        if self._too_low is not None and ratio < 0.9 * self._too_low[1]:
+            self._too_low = None  # units got faster relative to steps: try the model again
+        want = self.model_eta(sample)
+        basis = (f"unit latency {sample.unit_latency_s:.2f} s over learner step "
+                 f"{sample.step_s:.2f} s needs η {want} for wait <= {self.target_wait:.0%}; "
+                 f"measured wait {wait:.0%} at η {current}")
+        waits_too_long = wait > self.target_wait + self.tolerance
+        if waits_too_long and (self._too_low is None or self._too_low[0] < current):
+            self._too_low = (current, ratio)
+        if waits_too_long and want <= current:
+            if self._last_raise is not None and self._last_raise[0] < current \
+                    and wait >= self._last_raise[1]:
+                # the last raise did not lower the wait: the rollout side is the limit
+                return None
+            want = current + 1
+            basis += "; wait above target, one more"
+        if self._too_low is not None:
+            want = max(want, self._too_low[0] + 1)
+        want = min(max(want, self.floor), self.cap)
+        if want > current:
+            self._lower_votes = 0
+            self._last_raise = (current, wait)
+            capped = " (the cap)" if want == self.cap else ""
+            return Decision(want, f"raise {current} -> {want}{capped}: {basis}")
+        if want < current and not waits_too_long:
+            self._lower_votes += 1
+            if self._lower_votes >= self.patience:
+                self._lower_votes = 0
+                self._last_raise = None
+                return Decision(want, f"lower {current} -> {want} after {self.patience} "
+                                      f"windows: {basis}")
+            return None
+        self._lower_votes = 0
+        return None
