@@ -14,20 +14,13 @@ import pytest
 from actors.engines.client import Generation
 from actors.episode import Advice, Episode, SamplingParams
 from actors.sandbox import SandboxConfig
-from actors.workflows.base import Task, units_per_round
+from actors.workflows.base import units_per_round
 from actors.workflows.magrpo_code import (NO_FEEDBACK, MagrpoCode, MagrpoCodeConfig,
                                           advisor_messages, split_feedback)
 from learners.advantages import magrpo
+from test_magrpo_code import ADD_TASK as TASK  # the hand-worked task and replies
+from test_magrpo_code import ADD_TEST, AUX_RIGHT, AUX_TIMES, MAIN_OWN, MAIN_USES
 
-ADD_TEST = ("def check(candidate):\n    assert candidate(1, 2) == 3\n"
-            "    assert candidate(0, 0) == 0\n    assert candidate(-1, 1) == 0\n"
-            "    assert candidate(2, 2) == 4\n")
-TASK = Task("Mine/0", 'def add(a: int, b: int) -> int:\n    """Return a + b."""\n',
-            "    return a + b\n", {"entry_point": "add", "test": ADD_TEST})
-AUX_RIGHT = "def aux(a, b):\n    return a + b\n"
-AUX_TIMES = "def aux(a, b):\n    return a * b\n"  # passes (0, 0) and (2, 2): 2 of 4
-MAIN_USES = "def add(a, b):\n    s = aux(a, b)\n    return int(s)\n"
-MAIN_OWN = "def add(a, b):\n    return a + b\n"
 MAIN_BROKEN = "def add(a, b):\n    return a +\n"
 
 
