@@ -3,7 +3,10 @@
 configs/plan_path_tiny_learn.yaml (its comments give the measured figures). The planner's
 λ-mixed reward and the team's success are read back from TensorBoard, as a user watches them.
 `check_rise` is what fails when the model does not learn: with lr 1e-9 (the config requires
-lr > 0) the same run's curves stay flat and it raises.
+lr > 0) the same run's curves stay flat (planner reward 0.000 -> 0.001, success 0.000 -> 0.013)
+and it raises; at lr 1e-3 they were 0.011 -> 0.352 and 0.042 -> 0.438 (seed 0), 0.009 -> 0.261
+and 0.031 -> 0.579 (80 steps, eval_size 16). Wall time: an 80-step run took 6.5 minutes
+on 2 cores, the 60-step one 14 while other Ray runs shared them.
 """
 from pathlib import Path
 
