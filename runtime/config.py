@@ -30,7 +30,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    path: str = "tiny"  # a provisioned model name ("tiny", "smollm2-135m") or a HF folder
+    path: str = "tiny"  # a provisioned model name (runtime.models.MODELS) or a HF folder
     engines: int = 1  # SGLang engine instances serving this model
     # engine flags and limits; dtype "auto": bf16 where native, else fp32 (runtime/dtype.py)
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(dtype="auto"))

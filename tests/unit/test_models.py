@@ -1,4 +1,4 @@
-"""Model provisioning: the tiny model's tokenizer, config and the cache's idempotence."""
+"""Model provisioning: the tiny models' tokenizers, config and the cache's idempotence."""
 from __future__ import annotations
 
 import json
@@ -6,8 +6,10 @@ import json
 import pytest
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from runtime.models import (MARKER, TINY_SPECIAL_TOKENS, provision, provision_tiny,
-                            resolve_model)
+from actors.envs import answer_span, parse_moves, plan_path, sudoku
+from actors.sandbox import python_blocks
+from runtime.models import (MARKER, TINY_GRID_WORDS, TINY_SPECIAL_TOKENS, TINY_WORDS, provision,
+                            provision_tiny, provision_tiny_grid, resolve_model)
 
 CHAT = [
     {"role": "system", "content": "you are the sender ."},
@@ -95,3 +97,71 @@ def test_chat_template_kwargs_reach_the_template(tiny_path):
     # the same prompt, then the closed think block's tokens
     assert without[:len(with_thinking)] == with_thinking
     assert len(without) > len(with_thinking)
+
+
+# ----------------------------------------------------------------------------- tiny-grid
+
+
+@pytest.fixture(scope="module")
+def grid_tokenizer(tmp_path_factory):
+    return AutoTokenizer.from_pretrained(provision_tiny_grid(tmp_path_factory.mktemp("grid")))
+
+
+def _round_trip(tokenizer, text: str) -> str:
+    """`text` as the model would write it: encoded, then decoded (tokens joined by spaces)."""
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert tokenizer.unk_token_id not in ids, f"{text!r} has a word outside the vocabulary"
+    decoded = tokenizer.decode(ids)
+    assert tokenizer(decoded, add_special_tokens=False).input_ids == ids
+    return decoded
+
+
+def test_tiny_grid_is_registered_and_leaves_tiny_alone(tmp_path):
+    path = provision_tiny_grid(tmp_path)
+    assert path.name == "tiny-grid-v1-seed0" and resolve_model("tiny-grid").name == path.name
+    marker = json.loads((path / MARKER).read_text())
+    vocab_size = AutoConfig.from_pretrained(path).vocab_size
+    assert marker["name"] == "tiny-grid"
+    assert marker["vocab_size"] == vocab_size == len(TINY_SPECIAL_TOKENS) + len(TINY_GRID_WORDS)
+    # tiny's words are untouched (its folder, weights and ids stay what every other test uses)
+    assert "[" not in TINY_WORDS and "print" not in TINY_WORDS
+    assert provision_tiny(tmp_path).name == "tiny-v3-seed0"
+
+
+def test_tiny_grid_writes_a_planner_move_list(grid_tokenizer):
+    text = _round_trip(grid_tokenizer, "#### [r, d]")
+    assert text == "#### [ r , d ]"  # one "####" token, not four "#"s
+    assert parse_moves(text, "planner") == ("R", "D")
+    # a "####" the model writes itself marks the answer too
+    assert parse_moves(_round_trip(grid_tokenizer, "1 2 #### [u]"), "planner") == ("U",)
+
+
+def test_tiny_grid_writes_sudoku_steps_and_grids(grid_tokenizer):
+    task = sudoku.generate(0, blanks=1)
+    state = sudoku.initial_state(task)
+    (r, c), = [(r, c) for r in range(4) for c in range(4) if task["puzzle"][r][c] == 0]
+    value = task["solution"][r][c]
+    steps = _round_trip(grid_tokenizer, f"#### [[{r + 1},{c + 1},{value}]]")
+    assert sudoku.parse(steps, state, "planner").edits == ((r + 1, c + 1, value),)
+    grid = _round_trip(grid_tokenizer, "#### " + json.dumps(task["solution"]))
+    assert sudoku.solved(sudoku.apply(state, sudoku.parse(grid, state, "planner")))
+
+
+def test_tiny_grid_writes_a_tool_program_that_prints_a_list(grid_tokenizer):
+    """The tool's decoded code is valid Python whose printed list the env reads."""
+    import subprocess
+    import sys
+
+    for program, parsed in [('print("[r, d]")', ("R", "D")), ("print([[1, 2, 3]])", None)]:
+        code = python_blocks("```python\n" + _round_trip(grid_tokenizer, program))[0]
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True, timeout=30).stdout
+        if parsed:
+            assert parse_moves(out, "tool") == parsed
+        else:
+            assert json.loads(answer_span(out, "tool")) == [[1, 2, 3]]
+    # the plan-path map stays readable: dots, "#" obstacles and the coordinates' digits
+    task = plan_path.generate(0, height=3, width=3, obstacle_ratio=0.2, min_path_length=1)
+    ids = grid_tokenizer(plan_path.render(plan_path.initial_state(task)),
+                         add_special_tokens=False).input_ids
+    assert {".", "#", "0"} <= set(grid_tokenizer.convert_ids_to_tokens(ids))
