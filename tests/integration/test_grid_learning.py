@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # tenth of the rounds (the untrained model: success climbs within the first third already),
 # "late" the last third.
 EARLY_REWARD_MAX = 0.08  # the untrained planner rarely closes a list
-REWARD_RISE = 0.15  # planner reward, late minus early
-SUCCESS_RISE = 0.20  # team success (best of K = 8), late minus early
+REWARD_RISE = 0.10  # planner reward, late - early (measured +0.18 to +0.34; lr 1e-9: +0.001)
+SUCCESS_RISE = 0.10  # team success (best of K = 8), late minus early (measured +0.20 to +0.55)
 
 
 def _series(run_dir: Path, key: str) -> np.ndarray:
