@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from learners import megatron_compat
 from learners.megatron_parallel import is_writer
+from learners.protocol import replace_folder
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -61,11 +62,7 @@ def save_checkpoint(path: str, module, optimizer, meta: dict) -> None:
     if is_writer():
         with open(os.path.join(staging, META_FILE), "w") as f:
             json.dump({**meta, "world_size": dist.get_world_size()}, f)
-        previous = path + ".previous"
-        if os.path.exists(path):
-            os.rename(path, previous)
-        os.rename(staging, path)
-        shutil.rmtree(previous, ignore_errors=True)
+        replace_folder(staging, path)
     _barrier()
 
 

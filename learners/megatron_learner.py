@@ -38,13 +38,13 @@ from safetensors.torch import load_file, save_file
 from learners import megatron_compat
 from learners.batch import TrainBatch, micro_batch_indices, select_rows
 from learners.config import LearnerConfig
-from learners.losses import decoupled_ppo_loss, masked_mean
+from learners.losses import decoupled_ppo_loss, masked_mean, token_logprobs
 from learners.megatron_checkpoint import load_checkpoint, read_meta, save_checkpoint
 from learners.megatron_model import ModelSpec, build_gpt_model, transformer_config, uses_te_spec
 from learners.megatron_parallel import init_parallel, is_writer, tensors_to_cpu
 from learners.megatron_ranks import FollowerRanks
 from learners.megatron_weights import gather_shards, hf_to_megatron, megatron_to_hf, shard_for_rank
-from learners.protocol import WeightRef
+from learners.protocol import WeightRef, publish_folder, version_folder
 from learners.torch_backend import tokenizer_files
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -60,34 +60,6 @@ class _MicroBatch:
     rows: torch.Tensor  # int64 [b], the rows of the full batch it holds
     prox_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
-
-
-def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, loss_mask: torch.Tensor,
-                   temperature: float, entropy: str = "none"
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprobs of `target_ids` and per-token entropy at the rollout temperature.
-
-    Args:
-        logits: [B, L, V] (V = the HF vocabulary: megatron's padding rows already cut off).
-        target_ids, loss_mask: [B, L].
-        entropy: "none" (skip: a full-vocabulary softmax saved), "metric" (no gradient) or
-            "grad" (differentiable, for an entropy bonus).
-
-    Returns:
-        (logprobs float32 [B, L], 0 off the mask; entropy float32 [B, L] or None).
-    """
-    # float32 before the softmax: bf16 log-softmax errors are as large as the corrections.
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    log_norm = torch.logsumexp(logits, dim=-1)
-    target_logits = logits.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
-    logprobs = torch.where(loss_mask > 0, target_logits - log_norm, 0.0)
-    if entropy == "none":
-        return logprobs, None
-    source = logits if entropy == "grad" else logits.detach()
-    norm = log_norm if entropy == "grad" else log_norm.detach()
-    return logprobs, norm - (torch.softmax(source, -1) * source).sum(-1)
 
 
 class MegatronLearner:
@@ -408,23 +380,12 @@ class MegatronLearner:
         Rank 0 writes, under a temporary name renamed into place, so the folder appears
         complete or not at all; an existing version is an error (versions are immutable).
         """
-        final = os.path.join(self.weights_dir, f"v{version}")
-        if os.path.exists(final):
-            raise FileExistsError(f"{final} exists; a published version is never overwritten")
+        final = version_folder(self.weights_dir, version)  # every rank checks, before collectives
         self._mirror("publish_weights", version)
         state = self._gather_hf_state()
         if is_writer():
-            os.makedirs(self.weights_dir, exist_ok=True)
-            staging = os.path.join(self.weights_dir, f".v{version}.staging")
-            shutil.rmtree(staging, ignore_errors=True)
-            os.makedirs(staging)
-            try:
+            with publish_folder(final) as staging:
                 self._write_hf_folder(state, staging)
-                os.rename(staging, final)
-            except BaseException:
-                # Deliberate cleanup of the partial folder; the error still propagates.
-                shutil.rmtree(staging, ignore_errors=True)
-                raise
         if dist.get_world_size() > 1:
             dist.barrier()
         return WeightRef(model_id=self.model_id, version=version, path=final)

@@ -12,12 +12,12 @@ Two ways a learner process joins a process group:
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from actors.engines.supervision import free_port
 from learners import megatron_compat
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -43,12 +43,6 @@ class ParallelLayout:
         return self.pp_rank == self.pp_size - 1
 
 
-def free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def init_parallel(tensor_parallel: int, pipeline_parallel: int, seed: int) -> ParallelLayout:
     """Join (or start) the process group and set megatron's TP/PP/DP groups; DP is the rest.
 
@@ -64,7 +58,7 @@ def init_parallel(tensor_parallel: int, pipeline_parallel: int, seed: int) -> Pa
             dist.init_process_group(backend)
         else:
             dist.init_process_group(
-                backend, init_method=f"tcp://127.0.0.1:{free_loopback_port()}", rank=0,
+                backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                 world_size=1)
     world = dist.get_world_size()
     if world % (tensor_parallel * pipeline_parallel):

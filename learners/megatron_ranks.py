@@ -22,7 +22,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from learners.megatron_parallel import free_loopback_port
+from actors.engines.supervision import free_port
 
 log = logging.getLogger("troupe.megatron")
 
@@ -64,7 +64,7 @@ class FollowerRanks:
             world_size: TP × PP.
             learner_args: the (cfg, model_id, model_path, weights_dir) every rank builds from.
         """
-        port = free_loopback_port()
+        port = free_port()
         context = multiprocessing.get_context("spawn")
         self._processes = [
             # Not daemonic: megatron's checkpoint writer starts processes of its own.

@@ -49,8 +49,8 @@ import torch  # noqa: E402
 from bench_env import dtype_header  # noqa: E402
 from learners.batch import TrainBatch  # noqa: E402
 from learners.config import LearnerConfig  # noqa: E402
-from learners.losses import decoupled_ppo_loss  # noqa: E402
-from learners.megatron_learner import MegatronLearner, token_logprobs  # noqa: E402
+from learners.losses import decoupled_ppo_loss, token_logprobs  # noqa: E402
+from learners.megatron_learner import MegatronLearner  # noqa: E402
 from runtime.models import resolve_model  # noqa: E402
 
 

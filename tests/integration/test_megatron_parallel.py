@@ -9,13 +9,12 @@ relative on the losses and 1e-3 on the weights.
 """
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from actors.engines.supervision import free_port
 from buffers.schema import StepRecord, records_to_table
 from learners.batch import build_train_batch
 from learners.config import LearnerConfig
@@ -66,12 +65,6 @@ def _rank(rank: int, port: int, model_path: str, out: str, tensor_parallel: int,
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory):
     """TP = PP = DP = 1 in this process: the reference every parallel layout must reproduce."""
@@ -84,7 +77,7 @@ def single_process(tmp_path_factory):
 def test_two_processes_reproduce_one(tensor_parallel, pipeline_parallel, single_process,
                                      tmp_path):
     model_path = str(provision_tiny())
-    mp.spawn(_rank, args=(_free_port(), model_path, str(tmp_path), tensor_parallel,
+    mp.spawn(_rank, args=(free_port(), model_path, str(tmp_path), tensor_parallel,
                           pipeline_parallel), nprocs=2)
     expected_logprobs, expected_steps, expected_state = single_process
     for rank in range(2):  # every rank reports the same values
