@@ -132,7 +132,7 @@ def replace_folder(staging: str, path: str) -> None:
 # name -> "module:Class"; imported lazily by build_learner.
 LEARNERS: dict[str, str] = {
     "torch": "learners.torch_backend:TorchLearner",
-    "megatron": "learners.megatron_learner:MegatronLearner",
+    "megatron": "learners.megatron.learner:MegatronLearner",
 }
 
 

@@ -42,7 +42,7 @@ def _batch():
 
 
 def _train(model_path: str, weights_dir: str, tensor_parallel: int, pipeline_parallel: int):
-    from learners.megatron_learner import MegatronLearner
+    from learners.megatron.learner import MegatronLearner
 
     cfg = LearnerConfig(backend="megatron", lr=1e-2, micro_batch_tokens=16, num_threads=1,
                         tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
@@ -101,7 +101,7 @@ def test_tensor_parallel_learner_as_one_ray_actor(single_process, tmp_path):
 
     import ray
 
-    from learners.megatron_learner import MegatronLearner
+    from learners.megatron.learner import MegatronLearner
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep sockets on loopback
     started = not ray.is_initialized()  # an earlier run in this session keeps its Ray instance

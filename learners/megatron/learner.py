@@ -4,19 +4,19 @@ Same protocol and same step as `TorchLearner` — proximal logprobs recomputed b
 then `ppo_epochs` optimizer steps of the decoupled-PPO loss from `learners.losses` over
 token-balanced micro-batches — but built from megatron-core's parts:
 
-- the model is a `GPTModel` constructed from the HF `config.json` (`learners.megatron_model`),
-  its weights loaded through the explicit HF↔megatron mapping (`learners.megatron_weights`);
+- the model is a `GPTModel` constructed from the HF `config.json` (`learners.megatron.model`),
+  its weights loaded through the explicit HF↔megatron mapping (`learners.megatron.weights`);
 - forward and backward run through `get_forward_backward_func` (no pipelining, or 1F1B
   across pipeline stages), micro-batches and gradient accumulation included;
 - gradients live in megatron DDP's buffers and the optimizer comes from
   `get_megatron_optimizer` (Adam with decoupled weight decay, grad clipping, fp32 main params
   under bf16); the loss function returns a token sum and its count, so megatron divides by the
   batch's total loss tokens across micro-batches and data-parallel ranks;
-- TP/PP sizes come from the config (`learners.megatron_parallel`), DP is the rest of the world;
+- TP/PP sizes come from the config (`learners.megatron.parallel`), DP is the rest of the world;
 - checkpoints use megatron's dist checkpointing (torch_dist backend); published weights are a
   HF safetensors folder that SGLang loads with `update_weights_from_disk`.
 
-On a machine without CUDA, `learners.megatron_compat` makes the same code run on the CPU.
+On a machine without CUDA, `learners.megatron.compat` makes the same code run on the CPU.
 
 Tiny-CPU check: `python -m pytest tests/unit/test_megatron_learner.py`.
 """
@@ -35,15 +35,15 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from learners import megatron_compat
+from learners.megatron import compat
 from learners.batch import TrainBatch, micro_batch_indices, select_rows
 from learners.config import LearnerConfig
 from learners.losses import decoupled_ppo_loss, masked_mean, token_logprobs
-from learners.megatron_checkpoint import load_checkpoint, read_meta, save_checkpoint
-from learners.megatron_model import ModelSpec, build_gpt_model, transformer_config, uses_te_spec
-from learners.megatron_parallel import init_parallel, is_writer, tensors_to_cpu
-from learners.megatron_ranks import FollowerRanks
-from learners.megatron_weights import gather_shards, hf_to_megatron, megatron_to_hf, shard_for_rank
+from learners.megatron.checkpoint import load_checkpoint, read_meta, save_checkpoint
+from learners.megatron.model import ModelSpec, build_gpt_model, transformer_config, uses_te_spec
+from learners.megatron.parallel import init_parallel, is_writer, tensors_to_cpu
+from learners.megatron.ranks import FollowerRanks
+from learners.megatron.weights import gather_shards, hf_to_megatron, megatron_to_hf, shard_for_rank
 from learners.protocol import WeightRef, publish_folder, version_folder
 from learners.torch_backend import tokenizer_files
 from megatron.core import parallel_state
@@ -95,7 +95,7 @@ class MegatronLearner:
         self.dtype = getattr(torch, cfg.dtype)
         full_state = hf_to_megatron(_load_hf_state(model_path), self.spec)
 
-        with megatron_compat.device_scope():
+        with compat.device_scope():
             module = self._build_stage(full_state)
             self.model_config = module.config
             self.model = DistributedDataParallel(
@@ -128,7 +128,7 @@ class MegatronLearner:
     def _distributed_optimizer(self) -> bool:
         # Megatron's distributed optimizer shards optimizer state over data-parallel ranks; with
         # one DP rank there is nothing to shard, and it only wraps CUDA tensors.
-        return self.layout.dp_size > 1 and megatron_compat.distributed_optimizer_available()
+        return self.layout.dp_size > 1 and compat.distributed_optimizer_available()
 
     def _build_stage(self, full_state: dict[str, torch.Tensor]) -> torch.nn.Module:
         layout = self.layout
@@ -264,7 +264,7 @@ class MegatronLearner:
         """Logprobs of `batch.target_ids` under `model` (the policy's DDP wrapper or the
         reference stage), float32 [B, L], gathered onto every rank."""
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
-        with megatron_compat.device_scope():
+        with compat.device_scope():
             micro = self._micro_batches(batch)
             values = self._stage_logprobs(model, micro)
         if self.layout.last_stage:
@@ -294,7 +294,7 @@ class MegatronLearner:
         if batch.num_tokens == 0:
             raise ValueError("train_step: the batch has no response tokens")
         self._mirror("train_step", batch)
-        with megatron_compat.device_scope():
+        with compat.device_scope():
             micro = self._micro_batches(batch)
             # Proximal policy = these weights before the update (AReaL's decoupled PPO).
             for part, prox in zip(micro, self._stage_logprobs(self.model, micro)):
@@ -407,7 +407,7 @@ class MegatronLearner:
 
     def save(self, path: str) -> None:
         """Checkpoint weights, optimizer, version and RNG states into folder `path`
-        (megatron dist checkpointing, see `learners.megatron_checkpoint`)."""
+        (megatron dist checkpointing, see `learners.megatron.checkpoint`)."""
         self._mirror("save", path)
         save_checkpoint(path, self.model.module, self.optimizer,
                         {"model_id": self.model_id, "version": self._version})

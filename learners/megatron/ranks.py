@@ -42,7 +42,7 @@ def _join(rank: int, world_size: int, port: int) -> None:
 
 def _follow(rank: int, world_size: int, port: int, learner_args: tuple) -> None:
     """A follower's whole life: join, build the same learner, mirror calls until closed."""
-    from learners.megatron_learner import MegatronLearner
+    from learners.megatron.learner import MegatronLearner
 
     _join(rank, world_size, port)
     learner = MegatronLearner(*learner_args)
