@@ -23,7 +23,6 @@ Tiny-CPU check: `python -m pytest tests/unit/test_megatron_learner.py`.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import time
@@ -78,8 +77,6 @@ class MegatronLearner:
         """
         torch.set_num_threads(cfg.num_threads)
         torch.manual_seed(cfg.seed)
-        # megatron logs its bucket layout and config at INFO; the learner's step line says more.
-        logging.getLogger("megatron").setLevel(logging.WARNING)
         self.cfg = cfg
         self.model_id = model_id
         self.model_path = model_path
