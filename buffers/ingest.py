@@ -13,14 +13,17 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from buffers.schema import BODY_SCHEMA, StepBatch, WireRows, records_to_table, split_rows
+from buffers.schema import (
+    BODY_SCHEMA, LABEL_NAMES, StepBatch, WireRows, records_to_table, split_rows,
+)
 
 # Per-row scalars the buffer keeps in numpy state, one array per column indexed by row, so
 # `sample` gathers each with one fancy index. A column kept in the Arrow chunks instead
 # costs `sample` a slice and a concatenate per unit, touching that chunk's metadata cold.
 FIXED_COLUMNS = {"turn": np.int16, "group_size": np.int16, "candidate": np.int16,
                  "created_at": np.int64, "group_key": "V16"}  # created_at in microseconds
-LABEL_COLUMNS = ("run_id", "agent", "workflow", "finish_reason")  # held as int32 codes
+# Held as int32 codes; model_id is not: a buffer holds one model (checked on arrival).
+LABEL_COLUMNS = tuple(name for name in LABEL_NAMES if name != "model_id")
 # The chunks keep only the variable-length columns: the wire form's Arrow part, as it came.
 STORED_SCHEMA = BODY_SCHEMA
 _EPISODE_AT = BODY_SCHEMA.get_field_index("episode_id")

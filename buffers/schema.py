@@ -228,7 +228,8 @@ _SCALAR_NAMES = (
 )
 _TOKEN_NAMES = ("prompt_ids", "response_ids", "behavior_logprobs", "token_versions")
 _TOKEN_DTYPES = (np.int32, np.int32, np.float32, np.int32)
-_DICT_COLUMNS = ("run_id", "model_id", "agent", "workflow", "finish_reason")
+# The few-valued string columns: dictionary-encoded in STEP_SCHEMA, lists on the wire.
+LABEL_NAMES = ("run_id", "model_id", "agent", "workflow", "finish_reason")
 _PLAIN_TYPES = {
     "step_id": pa.string(), "task_id": pa.string(), "episode_id": pa.string(),
     "branch": pa.string(), "turn": pa.int16(), "group_key": pa.binary(16),
@@ -282,7 +283,7 @@ def records_to_table(records: list[StepRecord]) -> pa.Table:
     created_at = np.asarray(scalars["created_at"], dtype=np.float64).reshape(n)
     for name, pa_type in _PLAIN_TYPES.items():
         arrays[name] = pa.array(scalars[name], pa_type)
-    for name in _DICT_COLUMNS:
+    for name in LABEL_NAMES:
         # dictionary_encode yields int32 indices over string values, matching STEP_SCHEMA.
         arrays[name] = pa.array(scalars[name], pa.string()).dictionary_encode()
     arrays["behavior_version"] = pa.array(behavior_version)
@@ -304,7 +305,6 @@ ROW_DTYPE = np.dtype([
     ("behavior_version", np.int32), ("created_at", np.int64),  # created_at in microseconds
     ("group_key", "V16"), ("rewards", np.float32, (len(REWARD_COLUMNS),)),  # NaN = null
 ])
-LABEL_NAMES = ("run_id", "model_id", "agent", "workflow", "finish_reason")  # the dictionary columns
 BODY_SCHEMA = pa.schema([STEP_SCHEMA.field(name) for name in (
     "task_id", "episode_id", "branch", "prompt_ids", "response_ids", "behavior_logprobs",
     "token_versions", "meta")])

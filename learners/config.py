@@ -22,6 +22,8 @@ READINESS_UNITS: dict[str, str] = {
     "magrpo": "episode",
 }
 
+# The valid `LearnerConfig.behavior_correction` values; `learners.losses.decoupled_ppo_loss`
+# implements each (kept here so the config validates without importing torch).
 BEHAVIOR_CORRECTIONS = ("tis", "mask")
 # "auto" is resolved by the runtime before a learner is built (runtime/dtype.py): bf16 where
 # the machine computes it natively, fp32 elsewhere.

@@ -1,4 +1,5 @@
-"""The policy loss: decoupled PPO with the behaviour correction always on (DESIGN §6).
+"""The policy loss: decoupled PPO with the behaviour correction always on (DESIGN §6), and the
+per-token logprobs both learner backends feed it (`token_logprobs`).
 
 Pure torch on [B, T] tensors; metrics are detached 0-d tensors so the caller decides when to
 synchronise with the host (never inside the micro-batch loop).
@@ -7,12 +8,40 @@ from __future__ import annotations
 
 import torch
 
-BEHAVIOR_CORRECTIONS = ("tis", "mask")
+from learners.config import BEHAVIOR_CORRECTIONS
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of `values` over positions where `mask` is 1; 0 for an empty mask. Both [B, T]."""
     return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, loss_mask: torch.Tensor,
+                   temperature: float, entropy: str = "none"
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs of `target_ids` and per-token entropy at the rollout temperature.
+
+    Args:
+        logits: [B, L, V] (V = the HF vocabulary: megatron's padding rows already cut off).
+        target_ids, loss_mask: [B, L].
+        entropy: "none" (skip: a full-vocabulary softmax saved), "metric" (no gradient) or
+            "grad" (differentiable, for an entropy bonus).
+
+    Returns:
+        (logprobs float32 [B, L], 0 off the mask; entropy float32 [B, L] or None).
+    """
+    # float32 before the softmax: bf16 log-softmax errors are as large as the corrections.
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    log_norm = torch.logsumexp(logits, dim=-1)
+    target_logits = logits.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
+    logprobs = torch.where(loss_mask > 0, target_logits - log_norm, 0.0)
+    if entropy == "none":
+        return logprobs, None
+    source = logits if entropy == "grad" else logits.detach()
+    norm = log_norm if entropy == "grad" else log_norm.detach()
+    return logprobs, norm - (torch.softmax(source, -1) * source).sum(-1)
 
 
 def decoupled_ppo_loss(

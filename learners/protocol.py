@@ -4,10 +4,19 @@ Callers (the runtime) see only `Learner`, `WeightRef` and `build_learner`. Backe
 by import path and imported on first use, so this module stays free of torch and of any
 backend's heavy imports: "torch" (transformers + AdamW) and "megatron" (megatron-core, the
 default) are one registry line each.
+
+Both backends write folders the same way, through the helpers here: a published version
+(`publish_folder`) appears complete or not at all, and a checkpoint (`replace_folder`)
+replaces the previous one without a moment where neither is complete.
 """
 from __future__ import annotations
 
 import importlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -76,10 +85,54 @@ class Learner(Protocol):
         ...
 
 
+def version_folder(weights_dir: str, version: int) -> str:
+    """`{weights_dir}/v{version}`, which must not exist yet: versions are immutable."""
+    final = os.path.join(weights_dir, f"v{version}")
+    if os.path.exists(final):
+        raise FileExistsError(f"{final} exists; a published version is never overwritten")
+    return final
+
+
+@contextmanager
+def publish_folder(final: str) -> Iterator[str]:
+    """Yield an empty folder beside `final` and rename it to `final` once the block completes.
+
+    The folder is written under a temporary name in the same directory (one file system, so
+    the rename is atomic): readers see it complete or not at all. When the block raises, the
+    partial folder is removed and the error propagates.
+    """
+    parent, name = os.path.split(os.path.abspath(final))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{name}.", dir=parent)
+    try:
+        yield staging
+        os.chmod(staging, 0o755)  # mkdtemp makes it 0700; engines may run as another user
+        os.rename(staging, final)
+    except BaseException:
+        # Deliberate cleanup of the partial folder; the error still propagates.
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def replace_folder(staging: str, path: str) -> None:
+    """Rename the complete folder `staging` to `path`, replacing a folder already there.
+
+    The old folder is moved aside before the rename and deleted after it, so a crash at any
+    point leaves one complete folder (at `path`, or aside under a hidden name).
+    """
+    if not os.path.exists(path):
+        os.rename(staging, path)
+        return
+    previous = tempfile.mkdtemp(prefix=".old.", dir=os.path.dirname(os.path.abspath(path)))
+    os.rename(path, os.path.join(previous, "ckpt"))
+    os.rename(staging, path)
+    shutil.rmtree(previous)
+
+
 # name -> "module:Class"; imported lazily by build_learner.
 LEARNERS: dict[str, str] = {
     "torch": "learners.torch_backend:TorchLearner",
-    "megatron": "learners.megatron_learner:MegatronLearner",
+    "megatron": "learners.megatron.learner:MegatronLearner",
 }
 
 

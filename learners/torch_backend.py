@@ -23,8 +23,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from learners.batch import TrainBatch, micro_batch_indices, micro_batches, select_rows
 from learners.config import LearnerConfig
-from learners.losses import decoupled_ppo_loss, masked_mean
-from learners.protocol import WeightRef
+from learners.losses import decoupled_ppo_loss, masked_mean, token_logprobs
+from learners.protocol import WeightRef, publish_folder, replace_folder, version_folder
 
 # Files an inference server needs beside the weights to tokenise and apply the chat template.
 TOKENIZER_FILES = (
@@ -103,27 +103,16 @@ class TorchLearner:
         """Logprobs of `batch.target_ids` at temperature `cfg.temperature`.
 
         Returns:
-            (logprobs float32 [B, L], 0 off the loss mask; per-token entropy float32 [B, L]
-            without gradient, or None).
+            (logprobs float32 [B, L], 0 off the loss mask; per-token entropy float32 [B, L],
+            differentiable when `cfg.entropy_coef` > 0, or None without `with_entropy`).
         """
         output = model(
             input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
         )
-        # float32 before the softmax: bf16 log-softmax errors are as large as the corrections.
-        logits = output.logits.float() / self.cfg.temperature  # [B, L, V]
-        log_norm = torch.logsumexp(logits, dim=-1)  # [B, L]
-        target_logits = logits.gather(-1, batch.target_ids.unsqueeze(-1)).squeeze(-1)
-        logprobs = torch.where(batch.loss_mask > 0, target_logits - log_norm, 0.0)
-        entropy = None
-        if with_entropy and self.cfg.entropy_coef > 0:
-            # Differentiable: the entropy bonus needs its gradient.
-            probs = torch.softmax(logits, dim=-1)
-            entropy = log_norm - (probs * logits).sum(-1)
-        elif with_entropy:
-            with torch.no_grad():
-                probs = torch.softmax(logits.detach(), dim=-1)
-                entropy = log_norm.detach() - (probs * logits.detach()).sum(-1)
-        return logprobs, entropy
+        # Differentiable entropy only when the entropy bonus needs its gradient.
+        entropy = "none" if not with_entropy else "grad" if self.cfg.entropy_coef > 0 else "metric"
+        return token_logprobs(output.logits, batch.target_ids, batch.loss_mask,
+                              self.cfg.temperature, entropy=entropy)
 
     @torch.no_grad()
     def _batch_logprobs(self, model: PreTrainedModel, batch: TrainBatch) -> torch.Tensor:
@@ -220,21 +209,11 @@ class TorchLearner:
         The folder appears complete or not at all: it is written under a temporary name in the
         same directory and renamed. Versions are immutable, so an existing folder is an error.
         """
-        final = os.path.join(self.weights_dir, f"v{version}")
-        if os.path.exists(final):
-            raise FileExistsError(f"{final} exists; a published version is never overwritten")
-        os.makedirs(self.weights_dir, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=f".v{version}.", dir=self.weights_dir)
-        try:
+        final = version_folder(self.weights_dir, version)
+        with publish_folder(final) as staging:
             self.model.save_pretrained(staging)
             for name in self._tokenizer_files:
                 shutil.copy2(os.path.join(self.model_path, name), staging)
-            os.chmod(staging, 0o755)  # mkdtemp makes it 0700; engines may run as another user
-            os.rename(staging, final)
-        except BaseException:
-            # Deliberate cleanup of the partial folder; the error still propagates.
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
         return WeightRef(model_id=self.model_id, version=version, path=final)
 
     def save(self, path: str) -> None:
@@ -254,13 +233,7 @@ class TorchLearner:
         torch.save(state, os.path.join(staging, STATE_FILE))
         with open(os.path.join(staging, META_FILE), "w") as f:
             json.dump({"model_id": self.model_id, "version": self._version}, f)
-        if os.path.exists(path):
-            previous = tempfile.mkdtemp(prefix=".old.", dir=parent)
-            os.rename(path, os.path.join(previous, "ckpt"))
-            os.rename(staging, path)
-            shutil.rmtree(previous)
-        else:
-            os.rename(staging, path)
+        replace_folder(staging, path)
 
     def load(self, path: str) -> None:
         """Restore a checkpoint written by `save` (same model_id required)."""

@@ -25,6 +25,7 @@ from learners.prepare import prepare_batch
 from learners.config import LearnerConfig
 from learners.protocol import build_learner
 from runtime.failures import ACTOR_GONE
+from runtime.logs import configure_logging
 
 log = logging.getLogger("troupe.learner")
 
@@ -37,6 +38,7 @@ class LearnerWorker:
     def __init__(self, model_id: str, cfg: LearnerConfig, model_path: str, run_dir: str,
                  buffer, clock, engines: list, metrics, keep_weights: int, pad_id: int,
                  checkpoint_every: int = 0, keep_checkpoints: int = 2) -> None:
+        configure_logging()  # this actor's process: the first call in it configures
         self.model_id = model_id
         self.cfg = cfg
         self.buffer = buffer
@@ -54,7 +56,6 @@ class LearnerWorker:
         # one line per step: the step_ids it trained (and a marker at each resume), so "no row
         # is trained twice" can be counted from the run directory (runtime/resume.py)
         self.audit_path = Path(run_dir) / "logs" / f"trained_{model_id}.jsonl"
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # the per-step progress line says what matters

@@ -17,6 +17,7 @@ from actors.rollout import RolloutActor, RolloutConfig
 from actors.workflows import WorkflowConfig
 from buffers.schema import RewardCommit, StepBatch, StepRecord, records_to_table
 from runtime.failures import ACTOR_GONE
+from runtime.logs import configure_logging
 
 log = logging.getLogger("troupe")
 
@@ -118,8 +119,7 @@ class RolloutHost:
                  template_kwargs: dict[str, dict] | None = None) -> None:
         from transformers import AutoTokenizer
 
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
+        configure_logging()  # this actor's process: the first call in it configures
         routes = {
             model_id: ModelRoute(model_id, [EngineClient(url) for url in urls],
                                  AutoTokenizer.from_pretrained(model_paths[model_id]),

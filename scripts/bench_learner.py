@@ -49,8 +49,8 @@ import torch  # noqa: E402
 from bench_env import dtype_header  # noqa: E402
 from learners.batch import TrainBatch  # noqa: E402
 from learners.config import LearnerConfig  # noqa: E402
-from learners.losses import decoupled_ppo_loss  # noqa: E402
-from learners.megatron_learner import MegatronLearner, token_logprobs  # noqa: E402
+from learners.losses import decoupled_ppo_loss, token_logprobs  # noqa: E402
+from learners.megatron.learner import MegatronLearner  # noqa: E402
 from runtime.models import resolve_model  # noqa: E402
 
 
@@ -179,7 +179,7 @@ def main() -> None:
         print(f"dtype {args.dtype} given on the command line (auto would be {choice.dtype})")
     torch.set_num_threads(args.threads)
     model_path = str(resolve_model(args.model))
-    from learners.megatron_model import ModelSpec
+    from learners.megatron.model import ModelSpec
 
     vocab = ModelSpec.from_hf_folder(model_path).vocab_size
     batch = make_batch(args.rows, args.seq_len, args.prompt_len, vocab)

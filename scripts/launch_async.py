@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 
 from runtime.config import ConfigError, load_config  # noqa: E402
 from runtime.controller import run  # noqa: E402
+from runtime.logs import configure_logging  # noqa: E402
 from runtime.resume import load_resume_config  # noqa: E402
 
 
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="continue the run in this directory (runs/<run_id>) instead")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    configure_logging()
     if (args.config is None) == (args.resume is None):
         parser.error("give exactly one of --config (a new run) or --resume (an existing run)")
     try:

@@ -25,12 +25,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import socket
 import threading
 import time
 from collections import deque
 
 from aiohttp import web
+
+from actors.engines.supervision import free_port
 
 MODES = ("ok", "bold", "garbage", "429", "500", "hang", "down")
 
@@ -56,7 +57,7 @@ class LoopbackJudge:
         self._loop = asyncio.new_event_loop()
         self._site: web.TCPSite | None = None
         self._ready = threading.Event()
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self._thread = threading.Thread(target=self._serve, daemon=True, name="loopback-judge")
         self._thread.start()
         if not self._ready.wait(10):
@@ -185,12 +186,6 @@ class LoopbackJudge:
                          "message": {"role": "assistant", "content": text}}],
             "usage": {"prompt_tokens": tokens, "completion_tokens": 12,
                       "total_tokens": tokens + 12}})
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -29,7 +29,9 @@ from pathlib import Path
 
 import httpx
 
-from actors.engines.supervision import ProgressWatch, RestartBudget, UpdateGate, is_zombie
+from actors.engines.supervision import (
+    ProgressWatch, RestartBudget, UpdateGate, free_port, is_zombie,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,13 +118,6 @@ class EngineConfig:
         if self.max_restarts_per_hour < 0:
             raise ValueError(f"EngineConfig.max_restarts_per_hour={self.max_restarts_per_hour}"
                              "; use >= 0 (0 = never restart)")
-
-
-def _free_port() -> int:
-    """A loopback port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _port_is_free(port: int) -> bool:
@@ -230,7 +225,7 @@ class SGLangEngine:
         if self._proc is not None and self._proc.poll() is None:
             raise RuntimeError(f"engine {self.model_id} already running at {self.url}")
         if self._port is None:
-            self._port = _free_port()
+            self._port = free_port()
         args = self._server_args()
         shown = "python -m sglang.launch_server " + " ".join(args)
         if sys.platform == "linux":
@@ -382,7 +377,7 @@ class SGLangEngine:
         self.restarts += 1
         if not self._wait_port_free(self._port, timeout_s=15.0):
             old = self._port
-            self._port = _free_port()
+            self._port = free_port()
             log.warning("port %s still taken; %s moves to port %d", old, self.model_id,
                         self._port)
         return self._start()

@@ -1,4 +1,4 @@
-"""Telling a slow server from a dead one, and a restart budget that is a rate.
+"""Telling a slow server from a dead one, a restart budget that is a rate, and a free port.
 
 `SGLangEngine.ensure_alive` probes `/health`; when a probe fails on a live process it asks
 `ProgressWatch` whether the server's processes still make progress. Progress is measured out
@@ -6,10 +6,15 @@ of band, from CPU time in /proc, because the HTTP server is exactly what is too 
 answer when this matters: a 2-core CPU decoding a big batch misses 5 s probes for minutes.
 A stopped (SIGSTOP) or deadlocked server uses no CPU; a decoding one uses cores.
 Known blind spot: a server spinning in a busy loop without serving looks busy.
+
+`free_port` is the one place a loopback port is picked for a server to bind (engines, the
+loopback coach, torch.distributed's rendezvous); it imports nothing beyond the standard
+library, so learners and tests use it too.
 """
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from collections import deque
@@ -23,6 +28,13 @@ BUSY_CORES = 0.1
 # CPU time moves in 10 ms ticks: shorter spans cannot tell busy from stopped.
 MIN_SAMPLE_S = 1.0
 RESTART_WINDOW_S = 3600.0  # RestartBudget counts restarts this far back
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _stat_fields(pid: str | int) -> list[bytes] | None:

@@ -27,7 +27,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from actors.engines.sglang import EngineConfig, SGLangEngine
-from actors.engines.supervision import RestartBudget
+from actors.engines.supervision import RestartBudget, free_port
 from weights_helper import save_perturbed_copy
 
 PROMPT = [3, 10, 20, 30, 40]  # tiny-model token ids (bos first)
@@ -257,7 +257,7 @@ _DYING = (
 def test_a_dying_server_counts_as_exited_before_it_can_be_reaped(tiny_model_path, tmp_path):
     engine = SGLangEngine("dying", tiny_model_path,
                           EngineConfig(max_restarts_per_hour=0, unresponsive_s=600.0), tmp_path)
-    engine._port = _free_port_for_test()  # nothing listens: a probe is refused at once
+    engine._port = free_port()  # nothing listens: a probe is refused at once
     engine._proc = subprocess.Popen([sys.executable, "-c", _DYING], start_new_session=True)
     try:
         deadline = time.monotonic() + 10
@@ -283,8 +283,3 @@ def _leader_state(pid: int) -> bytes:
     return stat[stat.rindex(b")") + 2:][:1]
 
 
-def _free_port_for_test() -> int:
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

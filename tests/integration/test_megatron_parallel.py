@@ -9,13 +9,12 @@ relative on the losses and 1e-3 on the weights.
 """
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from actors.engines.supervision import free_port
 from buffers.schema import StepRecord, records_to_table
 from learners.batch import build_train_batch
 from learners.config import LearnerConfig
@@ -43,7 +42,7 @@ def _batch():
 
 
 def _train(model_path: str, weights_dir: str, tensor_parallel: int, pipeline_parallel: int):
-    from learners.megatron_learner import MegatronLearner
+    from learners.megatron.learner import MegatronLearner
 
     cfg = LearnerConfig(backend="megatron", lr=1e-2, micro_batch_tokens=16, num_threads=1,
                         tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
@@ -66,12 +65,6 @@ def _rank(rank: int, port: int, model_path: str, out: str, tensor_parallel: int,
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory):
     """TP = PP = DP = 1 in this process: the reference every parallel layout must reproduce."""
@@ -84,7 +77,7 @@ def single_process(tmp_path_factory):
 def test_two_processes_reproduce_one(tensor_parallel, pipeline_parallel, single_process,
                                      tmp_path):
     model_path = str(provision_tiny())
-    mp.spawn(_rank, args=(_free_port(), model_path, str(tmp_path), tensor_parallel,
+    mp.spawn(_rank, args=(free_port(), model_path, str(tmp_path), tensor_parallel,
                           pipeline_parallel), nprocs=2)
     expected_logprobs, expected_steps, expected_state = single_process
     for rank in range(2):  # every rank reports the same values
@@ -108,7 +101,7 @@ def test_tensor_parallel_learner_as_one_ray_actor(single_process, tmp_path):
 
     import ray
 
-    from learners.megatron_learner import MegatronLearner
+    from learners.megatron.learner import MegatronLearner
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep sockets on loopback
     started = not ray.is_initialized()  # an earlier run in this session keeps its Ray instance

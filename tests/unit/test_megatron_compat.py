@@ -4,14 +4,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learners import megatron_compat
+from learners.megatron import compat
 
-pytestmark = pytest.mark.skipif(megatron_compat.cuda_present(),
+pytestmark = pytest.mark.skipif(compat.cuda_present(),
                                 reason="the compatibility layer is inert when CUDA is present")
 
 
 def test_cuda_device_arguments_become_cpu_inside_the_scope():
-    with megatron_compat.device_scope():
+    with compat.device_scope():
         made = [
             torch.empty(3, device="cuda"),
             torch.zeros(2, device=torch.cuda.current_device()),  # fix 1: an ordinal
@@ -26,7 +26,7 @@ def test_cuda_device_arguments_become_cpu_inside_the_scope():
 
 
 def test_streams_are_no_ops():
-    megatron_compat.install()
+    compat.install()
     stream = torch.cuda.Stream(device=torch.cuda.current_device())  # fix 4
     with torch.cuda.stream(stream):
         stream.wait_stream(torch.cuda.default_stream())
@@ -36,9 +36,9 @@ def test_streams_are_no_ops():
 def test_rng_tracker_forks_a_reproducible_named_stream():
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    megatron_compat.install()
+    compat.install()
     tracker = get_cuda_rng_tracker()  # fix 2: megatron's accessor returns the CPU tracker
-    assert isinstance(tracker, megatron_compat.CpuRNGStatesTracker)
+    assert isinstance(tracker, compat.CpuRNGStatesTracker)
     tracker.reset()
     tracker.add("model-parallel-rng", 1234)
     torch.manual_seed(0)
@@ -59,7 +59,7 @@ def test_rng_tracker_forks_a_reproducible_named_stream():
 
 
 def test_tensor_type_names_read_as_cuda_inside_the_scope():
-    with megatron_compat.device_scope():
+    with compat.device_scope():
         assert torch.zeros(1).type() == "torch.cuda.FloatTensor"  # fix 5
         assert torch.zeros(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
         assert torch.zeros(1).type(torch.float64).dtype == torch.float64  # conversions untouched
@@ -70,16 +70,16 @@ def test_megatron_grad_norm_and_clip_run_on_cpu_gradients():
     from megatron.core.optimizer import optimizer as megatron_optimizer
     from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 
-    megatron_compat.install()
+    compat.install()
     params = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(2, 2))]
     params[0].grad = torch.full((4,), 3.0)
     params[1].grad = torch.full((2, 2), 4.0)
     import torch.distributed as dist
 
-    from learners.megatron_parallel import init_parallel
+    from learners.megatron.parallel import init_parallel
 
     init_parallel(1, 1, seed=0)
-    with megatron_compat.device_scope():  # fix 3: the norm helpers allocate on "cuda"
+    with compat.device_scope():  # fix 3: the norm helpers allocate on "cuda"
         norm = get_grad_norm_fp32([p.grad for p in params],
                                   grad_stats_parallel_group=dist.group.WORLD)
         megatron_optimizer.clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=norm)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from learners.config import LearnerConfig
-from learners.megatron_learner import MegatronLearner
+from learners.megatron.learner import MegatronLearner
 from learners.protocol import WeightRef, build_learner
 from learners.torch_backend import TorchLearner
 from tiny_learner import make_batch, on_policy_batch, write_tiny_llama

@@ -22,10 +22,10 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from learners import megatron_compat
-from learners.megatron_model import ModelSpec, build_gpt_model, transformer_config
-from learners.megatron_parallel import init_parallel
-from learners.megatron_weights import (
+from learners.megatron import compat
+from learners.megatron.model import ModelSpec, build_gpt_model, transformer_config
+from learners.megatron.parallel import init_parallel
+from learners.megatron.weights import (
     gather_shards,
     hf_to_megatron,
     megatron_to_hf,
@@ -85,7 +85,7 @@ def _megatron_logits(spec: ModelSpec, hf_state, input_ids):
     assert all(k.endswith("_extra_state") for k in result.missing_keys), result.missing_keys
     length = input_ids.shape[1]
     causal = torch.triu(torch.ones(length, length, dtype=torch.bool), 1)[None, None]
-    with torch.no_grad(), megatron_compat.device_scope():
+    with torch.no_grad(), compat.device_scope():
         logits = model.eval()(input_ids, torch.arange(length)[None].expand_as(input_ids), causal)
     return logits[..., : spec.vocab_size], model
 

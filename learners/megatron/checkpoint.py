@@ -20,8 +20,9 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from learners import megatron_compat
-from learners.megatron_parallel import is_writer
+from learners.megatron import compat
+from learners.megatron.parallel import is_writer
+from learners.protocol import replace_folder
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -49,23 +50,19 @@ def save_checkpoint(path: str, module, optimizer, meta: dict) -> None:
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(os.path.join(staging, DIST_DIR))
     _barrier()
-    with megatron_compat.device_scope():
+    with compat.device_scope():
         dist_checkpointing.save(_sharded_state(module, optimizer, is_loading=False),
                                 os.path.join(staging, DIST_DIR),
                                 sharded_strategy=get_default_save_sharded_strategy("torch_dist"))
     rng = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
-    if megatron_compat.cuda_present():
+    if compat.cuda_present():
         rng["cuda"] = torch.cuda.get_rng_state()
     torch.save(rng, os.path.join(staging, f"rng_rank{dist.get_rank()}.pt"))
     _barrier()
     if is_writer():
         with open(os.path.join(staging, META_FILE), "w") as f:
             json.dump({**meta, "world_size": dist.get_world_size()}, f)
-        previous = path + ".previous"
-        if os.path.exists(path):
-            os.rename(path, previous)
-        os.rename(staging, path)
-        shutil.rmtree(previous, ignore_errors=True)
+        replace_folder(staging, path)
     _barrier()
 
 
@@ -82,7 +79,7 @@ def read_meta(path: str) -> dict:
 
 def load_checkpoint(path: str, module, optimizer) -> None:
     """Restore weights, optimizer state and this rank's RNG states from `path`."""
-    with megatron_compat.device_scope():
+    with compat.device_scope():
         state = dist_checkpointing.load(_sharded_state(module, optimizer, is_loading=True),
                                         os.path.join(path, DIST_DIR))
         module.load_state_dict(state["model"], strict=False)

@@ -7,7 +7,7 @@ what it cannot build exactly (RoPE scaling, sliding windows, biases Llama does n
 
 The layer spec is Transformer-Engine's where CUDA and TE are present, otherwise megatron-core's
 local spec; parameter names differ only in where the two pre-norms live, which
-`learners.megatron_weights` handles. Fusions that need CUDA kernels are off.
+`learners.megatron.weights` handles. Fusions that need CUDA kernels are off.
 
 Tiny-CPU check: `python -m pytest tests/unit/test_megatron_model.py`.
 """
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from learners import megatron_compat  # noqa: F401  (sets the flash_mla guard before megatron)
+from learners.megatron import compat  # noqa: F401  (sets the flash_mla guard before megatron)
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import (
@@ -116,7 +116,7 @@ class ModelSpec:
         On GPUs rows are also rounded to a multiple of 128 per rank (faster GEMMs); the extra
         rows are zero, never sampled, and cut off before any softmax and on export.
         """
-        multiple = tensor_parallel * (128 if megatron_compat.cuda_present() else 1)
+        multiple = tensor_parallel * (128 if compat.cuda_present() else 1)
         return -(-self.vocab_size // multiple) * multiple
 
 
@@ -163,7 +163,7 @@ def transformer_config(spec: ModelSpec, tensor_parallel: int, pipeline_parallel:
         calculate_per_token_loss=True,
         # Weights always come from a HF checkpoint: random init would be thrown away.
         perform_initialization=False,
-        use_cpu_initialization=not megatron_compat.cuda_present(),
+        use_cpu_initialization=not compat.cuda_present(),
         # Fused kernels need CUDA (and TE/apex); the unfused paths are exact.
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
@@ -176,7 +176,7 @@ def transformer_config(spec: ModelSpec, tensor_parallel: int, pipeline_parallel:
 
 def layer_spec(spec: ModelSpec):
     """TE layer spec with CUDA and Transformer Engine, megatron-core's local spec otherwise."""
-    if megatron_compat.cuda_present():
+    if compat.cuda_present():
         try:
             from megatron.core.models.gpt.gpt_layer_specs import (
                 get_gpt_layer_with_transformer_engine_spec,
@@ -226,7 +226,7 @@ def uses_te_spec(model: GPTModel) -> bool:
 def build_gpt_model(spec: ModelSpec, config: TransformerConfig, pre_process: bool,
                     post_process: bool) -> GPTModel:
     """The GPTModel of one pipeline stage; logits are gathered over TP (full vocabulary)."""
-    with megatron_compat.device_scope():
+    with compat.device_scope():
         model = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec(spec),
@@ -242,7 +242,7 @@ def build_gpt_model(spec: ModelSpec, config: TransformerConfig, pre_process: boo
         )
     _mark_tensor_parallel_weights(model)
     _cast_params(model, config.params_dtype)
-    if megatron_compat.cuda_present():
+    if compat.cuda_present():
         model = model.cuda()
     return model
 

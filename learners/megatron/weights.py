@@ -30,7 +30,7 @@ The Transformer-Engine layer spec keeps the two pre-norms inside the following l
 linear_fc1 (gate and up split separately, then stacked per rank) and dim 1 of linear_proj and
 linear_fc2; norms are replicated.
 
-Tiny-CPU check: `python -m pytest tests/unit/test_megatron_weights.py`.
+Tiny-CPU check: `python -m pytest tests/unit/test_megatron_model.py` (the round-trip tests).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ import re
 
 import torch
 
-from learners.megatron_model import ModelSpec
+from learners.megatron.model import ModelSpec
 
 Tensors = dict[str, torch.Tensor]
 

@@ -7,18 +7,18 @@ Two ways a learner process joins a process group:
   world size = TP × PP × DP;
 - inside the runtime's Ray LearnerWorker: nothing is set, so the learner starts a world of one
   on a free loopback port (gloo on CPU, NCCL with CUDA) when TP = PP = 1, or spawns its
-  follower ranks first (`learners.megatron_ranks`) when TP × PP > 1.
+  follower ranks first (`learners.megatron.ranks`) when TP × PP > 1.
 """
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from learners import megatron_compat
+from actors.engines.supervision import free_port
+from learners.megatron import compat
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -43,12 +43,6 @@ class ParallelLayout:
         return self.pp_rank == self.pp_size - 1
 
 
-def free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def init_parallel(tensor_parallel: int, pipeline_parallel: int, seed: int) -> ParallelLayout:
     """Join (or start) the process group and set megatron's TP/PP/DP groups; DP is the rest.
 
@@ -59,12 +53,12 @@ def init_parallel(tensor_parallel: int, pipeline_parallel: int, seed: int) -> Pa
         ValueError: when the world size is not a multiple of TP × PP.
     """
     if not dist.is_initialized():
-        backend = "nccl" if megatron_compat.cuda_present() else "gloo"
+        backend = "nccl" if compat.cuda_present() else "gloo"
         if "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend)
         else:
             dist.init_process_group(
-                backend, init_method=f"tcp://127.0.0.1:{free_loopback_port()}", rank=0,
+                backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                 world_size=1)
     world = dist.get_world_size()
     if world % (tensor_parallel * pipeline_parallel):
@@ -78,11 +72,11 @@ def init_parallel(tensor_parallel: int, pipeline_parallel: int, seed: int) -> Pa
         if not same:
             parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
-        with megatron_compat.device_scope():
+        with compat.device_scope():
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=tensor_parallel,
                 pipeline_model_parallel_size=pipeline_parallel)
-    megatron_compat.install()
+    compat.install()
     # Seeds the per-TP-rank RNG streams megatron's layers fork into (dropout, init).
     model_parallel_cuda_manual_seed(seed)
     return ParallelLayout(

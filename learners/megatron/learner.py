@@ -4,26 +4,25 @@ Same protocol and same step as `TorchLearner` — proximal logprobs recomputed b
 then `ppo_epochs` optimizer steps of the decoupled-PPO loss from `learners.losses` over
 token-balanced micro-batches — but built from megatron-core's parts:
 
-- the model is a `GPTModel` constructed from the HF `config.json` (`learners.megatron_model`),
-  its weights loaded through the explicit HF↔megatron mapping (`learners.megatron_weights`);
+- the model is a `GPTModel` constructed from the HF `config.json` (`learners.megatron.model`),
+  its weights loaded through the explicit HF↔megatron mapping (`learners.megatron.weights`);
 - forward and backward run through `get_forward_backward_func` (no pipelining, or 1F1B
   across pipeline stages), micro-batches and gradient accumulation included;
 - gradients live in megatron DDP's buffers and the optimizer comes from
   `get_megatron_optimizer` (Adam with decoupled weight decay, grad clipping, fp32 main params
   under bf16); the loss function returns a token sum and its count, so megatron divides by the
   batch's total loss tokens across micro-batches and data-parallel ranks;
-- TP/PP sizes come from the config (`learners.megatron_parallel`), DP is the rest of the world;
+- TP/PP sizes come from the config (`learners.megatron.parallel`), DP is the rest of the world;
 - checkpoints use megatron's dist checkpointing (torch_dist backend); published weights are a
   HF safetensors folder that SGLang loads with `update_weights_from_disk`.
 
-On a machine without CUDA, `learners.megatron_compat` makes the same code run on the CPU.
+On a machine without CUDA, `learners.megatron.compat` makes the same code run on the CPU.
 
 Tiny-CPU check: `python -m pytest tests/unit/test_megatron_learner.py`.
 """
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import time
@@ -35,16 +34,16 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from learners import megatron_compat
+from learners.megatron import compat
 from learners.batch import TrainBatch, micro_batch_indices, select_rows
 from learners.config import LearnerConfig
-from learners.losses import decoupled_ppo_loss, masked_mean
-from learners.megatron_checkpoint import load_checkpoint, read_meta, save_checkpoint
-from learners.megatron_model import ModelSpec, build_gpt_model, transformer_config, uses_te_spec
-from learners.megatron_parallel import init_parallel, is_writer, tensors_to_cpu
-from learners.megatron_ranks import FollowerRanks
-from learners.megatron_weights import gather_shards, hf_to_megatron, megatron_to_hf, shard_for_rank
-from learners.protocol import WeightRef
+from learners.losses import decoupled_ppo_loss, masked_mean, token_logprobs
+from learners.megatron.checkpoint import load_checkpoint, read_meta, save_checkpoint
+from learners.megatron.model import ModelSpec, build_gpt_model, transformer_config, uses_te_spec
+from learners.megatron.parallel import init_parallel, is_writer, tensors_to_cpu
+from learners.megatron.ranks import FollowerRanks
+from learners.megatron.weights import gather_shards, hf_to_megatron, megatron_to_hf, shard_for_rank
+from learners.protocol import WeightRef, publish_folder, version_folder
 from learners.torch_backend import tokenizer_files
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -60,34 +59,6 @@ class _MicroBatch:
     rows: torch.Tensor  # int64 [b], the rows of the full batch it holds
     prox_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
-
-
-def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, loss_mask: torch.Tensor,
-                   temperature: float, entropy: str = "none"
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprobs of `target_ids` and per-token entropy at the rollout temperature.
-
-    Args:
-        logits: [B, L, V] (V = the HF vocabulary: megatron's padding rows already cut off).
-        target_ids, loss_mask: [B, L].
-        entropy: "none" (skip: a full-vocabulary softmax saved), "metric" (no gradient) or
-            "grad" (differentiable, for an entropy bonus).
-
-    Returns:
-        (logprobs float32 [B, L], 0 off the mask; entropy float32 [B, L] or None).
-    """
-    # float32 before the softmax: bf16 log-softmax errors are as large as the corrections.
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    log_norm = torch.logsumexp(logits, dim=-1)
-    target_logits = logits.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
-    logprobs = torch.where(loss_mask > 0, target_logits - log_norm, 0.0)
-    if entropy == "none":
-        return logprobs, None
-    source = logits if entropy == "grad" else logits.detach()
-    norm = log_norm if entropy == "grad" else log_norm.detach()
-    return logprobs, norm - (torch.softmax(source, -1) * source).sum(-1)
 
 
 class MegatronLearner:
@@ -106,8 +77,6 @@ class MegatronLearner:
         """
         torch.set_num_threads(cfg.num_threads)
         torch.manual_seed(cfg.seed)
-        # megatron logs its bucket layout and config at INFO; the learner's step line says more.
-        logging.getLogger("megatron").setLevel(logging.WARNING)
         self.cfg = cfg
         self.model_id = model_id
         self.model_path = model_path
@@ -123,7 +92,7 @@ class MegatronLearner:
         self.dtype = getattr(torch, cfg.dtype)
         full_state = hf_to_megatron(_load_hf_state(model_path), self.spec)
 
-        with megatron_compat.device_scope():
+        with compat.device_scope():
             module = self._build_stage(full_state)
             self.model_config = module.config
             self.model = DistributedDataParallel(
@@ -156,7 +125,7 @@ class MegatronLearner:
     def _distributed_optimizer(self) -> bool:
         # Megatron's distributed optimizer shards optimizer state over data-parallel ranks; with
         # one DP rank there is nothing to shard, and it only wraps CUDA tensors.
-        return self.layout.dp_size > 1 and megatron_compat.distributed_optimizer_available()
+        return self.layout.dp_size > 1 and compat.distributed_optimizer_available()
 
     def _build_stage(self, full_state: dict[str, torch.Tensor]) -> torch.nn.Module:
         layout = self.layout
@@ -292,7 +261,7 @@ class MegatronLearner:
         """Logprobs of `batch.target_ids` under `model` (the policy's DDP wrapper or the
         reference stage), float32 [B, L], gathered onto every rank."""
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
-        with megatron_compat.device_scope():
+        with compat.device_scope():
             micro = self._micro_batches(batch)
             values = self._stage_logprobs(model, micro)
         if self.layout.last_stage:
@@ -322,7 +291,7 @@ class MegatronLearner:
         if batch.num_tokens == 0:
             raise ValueError("train_step: the batch has no response tokens")
         self._mirror("train_step", batch)
-        with megatron_compat.device_scope():
+        with compat.device_scope():
             micro = self._micro_batches(batch)
             # Proximal policy = these weights before the update (AReaL's decoupled PPO).
             for part, prox in zip(micro, self._stage_logprobs(self.model, micro)):
@@ -408,23 +377,12 @@ class MegatronLearner:
         Rank 0 writes, under a temporary name renamed into place, so the folder appears
         complete or not at all; an existing version is an error (versions are immutable).
         """
-        final = os.path.join(self.weights_dir, f"v{version}")
-        if os.path.exists(final):
-            raise FileExistsError(f"{final} exists; a published version is never overwritten")
+        final = version_folder(self.weights_dir, version)  # every rank checks, before collectives
         self._mirror("publish_weights", version)
         state = self._gather_hf_state()
         if is_writer():
-            os.makedirs(self.weights_dir, exist_ok=True)
-            staging = os.path.join(self.weights_dir, f".v{version}.staging")
-            shutil.rmtree(staging, ignore_errors=True)
-            os.makedirs(staging)
-            try:
+            with publish_folder(final) as staging:
                 self._write_hf_folder(state, staging)
-                os.rename(staging, final)
-            except BaseException:
-                # Deliberate cleanup of the partial folder; the error still propagates.
-                shutil.rmtree(staging, ignore_errors=True)
-                raise
         if dist.get_world_size() > 1:
             dist.barrier()
         return WeightRef(model_id=self.model_id, version=version, path=final)
@@ -446,7 +404,7 @@ class MegatronLearner:
 
     def save(self, path: str) -> None:
         """Checkpoint weights, optimizer, version and RNG states into folder `path`
-        (megatron dist checkpointing, see `learners.megatron_checkpoint`)."""
+        (megatron dist checkpointing, see `learners.megatron.checkpoint`)."""
         self._mirror("save", path)
         save_checkpoint(path, self.model.module, self.optimizer,
                         {"model_id": self.model_id, "version": self._version})

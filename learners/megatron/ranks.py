@@ -22,7 +22,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from learners.megatron_parallel import free_loopback_port
+from actors.engines.supervision import free_port
 
 log = logging.getLogger("troupe.megatron")
 
@@ -42,7 +42,7 @@ def _join(rank: int, world_size: int, port: int) -> None:
 
 def _follow(rank: int, world_size: int, port: int, learner_args: tuple) -> None:
     """A follower's whole life: join, build the same learner, mirror calls until closed."""
-    from learners.megatron_learner import MegatronLearner
+    from learners.megatron.learner import MegatronLearner
 
     _join(rank, world_size, port)
     learner = MegatronLearner(*learner_args)
@@ -64,7 +64,7 @@ class FollowerRanks:
             world_size: TP × PP.
             learner_args: the (cfg, model_id, model_path, weights_dir) every rank builds from.
         """
-        port = free_loopback_port()
+        port = free_port()
         context = multiprocessing.get_context("spawn")
         self._processes = [
             # Not daemonic: megatron's checkpoint writer starts processes of its own.
