@@ -10,13 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from hogs import cpu_hog
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
 def test_default_config_beside_a_cpu_hog_has_no_restart_and_balanced_books(tmp_path):
-    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    hog = cpu_hog()
     try:
         cmd = [sys.executable, str(ROOT / "scripts" / "launch_async.py"), "--config",
                str(ROOT / "configs" / "arith_duo_cpu.yaml"), f"run.runs_dir={tmp_path}",

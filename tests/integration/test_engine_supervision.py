@@ -28,6 +28,7 @@ from transformers import LlamaForCausalLM
 
 from actors.engines.sglang import EngineConfig, SGLangEngine
 from actors.engines.supervision import RestartBudget, free_port
+from hogs import cpu_hog
 from weights_helper import save_perturbed_copy
 
 PROMPT = [3, 10, 20, 30, 40]  # tiny-model token ids (bos first)
@@ -101,7 +102,7 @@ def test_busy_server_that_misses_probes_is_not_restarted(tiny_engine, supervised
     # fails and only the out-of-band CPU progress keeps the decoding server alive.
     supervised(probe_timeout_s=0.05)
     restarts, busy = tiny_engine.restarts, tiny_engine.busy_probes
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    hogs = [cpu_hog() for _ in range(2)]
     try:
         with ThreadPoolExecutor(1) as pool, caplog.at_level(logging.WARNING):
             batch = pool.submit(decode_batch, tiny_engine.url, requests=16, new_tokens=200)
