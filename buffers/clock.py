@@ -17,9 +17,13 @@ released units, a larger η, a resume) instead of polling.
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import deque
 from dataclasses import asdict, dataclass
 
 from buffers.ledger import LedgerStats, RoundLedger
+
+ROUND_TIMES_KEPT = 32  # recent rounds whose admission -> generated time `round_seconds` averages
 
 
 @dataclass
@@ -60,6 +64,8 @@ class VersionClock:
         self._retired: set[str] = set()
         self._closed = False  # every owner's books closed (end of run): nothing is admitted
         self._changed: asyncio.Event | None = None  # created by the first waiter, in its loop
+        # model_id -> seconds from admission to `generated` of recent rounds producing its units
+        self._round_s: dict[str, deque[float]] = {}
         for model_id, (batch_units, max_staleness) in models.items():
             if batch_units < 1:
                 raise ValueError(f"model {model_id!r}: batch_units={batch_units} must be >= 1")
@@ -137,6 +143,10 @@ class VersionClock:
         branch not taken, leaves budget no learner step will ever consume (DESIGN §14).
         """
         entry = self.ledger.entry(round_id)
+        played_s = time.monotonic() - entry.opened_at
+        for model_id, admitted in entry.units.items():
+            if admitted:
+                self._round_s.setdefault(model_id, deque(maxlen=ROUND_TIMES_KEPT)).append(played_s)
         if units is not None:
             over = {m: (n, entry.units.get(m, 0)) for m, n in units.items()
                     if n > entry.units.get(m, 0)}
@@ -230,6 +240,13 @@ class VersionClock:
         clock.version = version
         clock.issued_units = version * clock.batch_units + held_units + in_flight
         self._wake()
+
+    def round_seconds(self, model_id: str) -> float | None:
+        """Mean seconds from admission to `generated` of the last rounds that produced units
+        of `model_id` (generation, tools, inline rewards); None before the first one."""
+        self._get(model_id)
+        times = self._round_s.get(model_id)
+        return sum(times) / len(times) if times else None
 
     def max_staleness(self, model_id: str) -> int:
         """η of `model_id` now: learners sample under it (the only copy of the live value)."""

@@ -20,6 +20,7 @@ ledger entry of a round are created in one call.
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ class RoundEntry:
     units: dict[str, int]  # model_id -> readiness units admitted (DESIGN §5.1)
     # episode_id -> model_id -> rows; None until the round reports `generated`
     episodes: dict[str, dict[str, int]] | None = None
+    opened_at: float = field(default_factory=lambda: time.monotonic())  # admission time
 
     @property
     def rows(self) -> int:

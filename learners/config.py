@@ -28,6 +28,7 @@ BEHAVIOR_CORRECTIONS = ("tis", "mask")
 # "auto" is resolved by the runtime before a learner is built (runtime/dtype.py): bf16 where
 # the machine computes it natively, fp32 elsewhere.
 DTYPES = ("float32", "bfloat16", "auto")
+AUTO = "auto"  # `max_staleness: auto`: η follows the measured rates (runtime/staleness.py)
 
 
 def readiness_unit(advantage: str) -> str:
@@ -77,7 +78,13 @@ class LearnerConfig:
     tensor_parallel: int = 1  # megatron: ranks each layer is split over (divides the KV heads)
     pipeline_parallel: int = 1  # megatron: pipeline stages (divides the layer count)
     batch_units: int = 8  # readiness units (groups or episodes) per learner step
-    max_staleness: int = 1  # η: rows with v_m − behavior_version > η are dropped (DESIGN §5)
+    # η: rows with v_m − behavior_version > η are dropped (DESIGN §5); an integer ≥ 0, or
+    # "auto": the run picks the smallest η that keeps this learner's wait under
+    # staleness_target_wait, from measured rates, up to staleness_cap (runtime/staleness.py)
+    max_staleness: int | str = 1
+    staleness_cap: int = 8  # auto: the largest η it may choose (the hard bound on staleness)
+    staleness_target_wait: float = 0.1  # auto: the learner's waiting share to stay under
+    staleness_window_steps: int = 2  # auto: learner steps per measurement window
 
     def __post_init__(self) -> None:
         # Imported here, not at module top: protocol.py imports this module for its annotations.
@@ -156,11 +163,29 @@ class LearnerConfig:
                    "only backend='megatron' splits a model; use 1 with this backend")
         _check(self.batch_units >= 1, "batch_units", self.batch_units, "use an integer ≥ 1")
         _check(
-            self.max_staleness >= 0,
+            self.max_staleness == AUTO
+            or (isinstance(self.max_staleness, int) and self.max_staleness >= 0),
             "max_staleness",
             self.max_staleness,
-            "use an integer ≥ 0 (0 = synchronous on-policy)",
+            f"use an integer ≥ 0 (0 = synchronous on-policy) or {AUTO!r}",
         )
+        _check(self.staleness_cap >= 0, "staleness_cap", self.staleness_cap,
+               "use an integer ≥ 0: the largest η max_staleness='auto' may choose")
+        _check(0 <= self.staleness_target_wait < 1, "staleness_target_wait",
+               self.staleness_target_wait, "use a share of the learner's time in [0, 1)")
+        _check(self.staleness_window_steps >= 1, "staleness_window_steps",
+               self.staleness_window_steps, "use an integer ≥ 1")
+
+    @property
+    def auto_staleness(self) -> bool:
+        """True when η is chosen by the run from measured rates (`max_staleness: auto`)."""
+        return self.max_staleness == AUTO
+
+    @property
+    def initial_staleness(self) -> int:
+        """η at the start of a run: the fixed value, or for "auto" 1 (at most the cap) until
+        the first measured window says otherwise."""
+        return min(1, self.staleness_cap) if self.auto_staleness else int(self.max_staleness)
 
     @property
     def readiness_unit(self) -> str:

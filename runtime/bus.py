@@ -40,7 +40,9 @@ MAX_PAYLOAD_BYTES = 64 * 1024  # control payloads above this are rejected unread
 EXCERPT_CHARS = 120  # how much of a bad payload `events/error` quotes back
 CONTROL_TOPICS = ("staleness", "rollout_actors", "pause", "resume", "checkpoint", "stop", "coach")
 # `ack` is ours, not DESIGN's list: with it every control message gets exactly one answer.
-EVENT_TOPICS = ("version", "status", "step", "error", "ack")
+# staleness: every change of η made by `max_staleness: auto`, with its reason
+EVENT_TOPICS = ("version", "status", "step", "error", "ack", "staleness")
+STALENESS_MODES = ("fixed", "auto")
 RETAINED_EVENTS = frozenset({"version", "status"})  # a late subscriber still gets the last one
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")  # no MQTT wildcards or levels
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
@@ -135,11 +137,16 @@ def _request_id() -> Any:
 
 @dataclass(frozen=True)
 class SetStaleness:
-    """`control/staleness`: set η (max versions behind) of one model's learner."""
+    """`control/staleness`: set η (max versions behind) of one model's learner.
+
+    mode "fixed" sets η = `max_staleness` and turns the model's `auto` off; mode "auto" hands
+    η to the run's controller (runtime/staleness.py) with `max_staleness` as its cap.
+    """
     run_id: str = _text(128)
     model: str = _text(128, pattern=_NAME)
     max_staleness: int = _int(0, 1024)
     request_id: str = _request_id()
+    mode: str = _text(8, choices=STALENESS_MODES, default="fixed")
 
 
 @dataclass(frozen=True)

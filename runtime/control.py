@@ -7,7 +7,9 @@
   (the clock admits nothing while paused), checkpoint, stop, coach hold. A command that cannot
   be applied raises, and its sender gets the reason on `events/error`.
 - `publish_steps` forwards each learner step to `events/step` and the versions to the
-  retained `events/version`; `publish_status` keeps the retained `events/status` current.
+  retained `events/version`, and feeds `max_staleness: auto` (runtime/staleness.py): each η
+  it chooses is set at the clock, logged, published on `events/staleness` and written to
+  TensorBoard with its reason; `publish_status` keeps the retained `events/status` current.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import ray
 from runtime.bus import (Checkpoint, CoachControl, Command, Pause, Resume, ScaleRollout,
                          SetStaleness, Stop)
 from runtime.failures import ACTOR_GONE
+from runtime.staleness import Decision, StalenessPilot
 
 if TYPE_CHECKING:
     from runtime.bus_service import BusService
@@ -30,6 +33,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("troupe")
 
 STEP_EVENTS_EVERY_S = 1.0  # how often learners are asked for new steps
+CALL_TIMEOUT_S = 60.0  # a control call to the clock that takes longer fails the command
 
 
 class RunControl:
@@ -48,6 +52,8 @@ class RunControl:
         self._versions: dict[str, int] = {m: 0 for m in run.cfg.models}
         self._steps_at = 0.0
         self._rate: deque[tuple[float, int]] = deque(maxlen=64)  # (time, episodes) samples
+        self.pilot = StalenessPilot({m: mc.learner for m, mc in run.cfg.models.items()})
+        self.staleness_changes: list[dict] = []  # every η the pilot set (the run summary)
 
     # ------------------------------------------------------------------ commands
     def apply_pending(self) -> None:
@@ -73,10 +79,25 @@ class RunControl:
             if command.model not in run.cfg.models:
                 raise ValueError(f"model {command.model!r} is not trained by this run; its "
                                  f"models: {sorted(run.cfg.models)}")
-            before = ray.get(run.clock.max_staleness.remote(command.model))
-            ray.get(run.clock.set_max_staleness.remote(command.model, command.max_staleness))
-            log.info("control: max_staleness of %s %d -> %d", command.model, before,
-                     command.max_staleness)
+            before = ray.get(run.clock.max_staleness.remote(command.model),
+                             timeout=CALL_TIMEOUT_S)
+            if command.mode == "auto":
+                if before > command.max_staleness:  # the new cap binds at once
+                    ray.get(run.clock.set_max_staleness.remote(command.model,
+                                                               command.max_staleness),
+                            timeout=CALL_TIMEOUT_S)
+                self.pilot.enable(command.model, cap=command.max_staleness)
+                log.info("control: max_staleness of %s is auto again (cap %d, now %d)",
+                         command.model, command.max_staleness,
+                         min(before, command.max_staleness))
+                return
+            ray.get(run.clock.set_max_staleness.remote(command.model, command.max_staleness),
+                    timeout=CALL_TIMEOUT_S)
+            overridden = " (auto off until set-staleness auto)" if self.pilot.is_auto(
+                command.model) else ""
+            self.pilot.disable(command.model)
+            log.info("control: max_staleness of %s %d -> %d%s", command.model, before,
+                     command.max_staleness, overridden)
         elif isinstance(command, ScaleRollout):
             limit = run.cfg.rollout.max_actors
             if command.actors > limit:
@@ -122,26 +143,51 @@ class RunControl:
 
     # ------------------------------------------------------------------ events
     def publish_steps(self, force: bool = False) -> None:
-        """Forward new learner steps to events/step and new versions to events/version."""
+        """Forward new learner steps to events/step and new versions to events/version, and
+        let the staleness pilot see them."""
         now = time.time()
-        if self.bus is None or (not force and now - self._steps_at < STEP_EVENTS_EVERY_S):
+        if not force and now - self._steps_at < STEP_EVENTS_EVERY_S:
             return
         self._steps_at = now
         run = self.run
-        models = list(run.learners)
         changed = False
-        for model_id in models:
+        for model_id in list(run.learners):
             try:
-                steps = ray.get(run.learners[model_id].steps_since.remote(self._versions[model_id]))
-            except ACTOR_GONE:
-                continue  # its process died: the supervision loop restarts it
-
+                steps = ray.get(run.learners[model_id].steps_since.remote(
+                    self._versions[model_id]), timeout=CALL_TIMEOUT_S)
+            except (*ACTOR_GONE, ray.exceptions.GetTimeoutError) as exc:
+                # dead: the supervision loop restarts it; slow: asked again next round
+                log.info("learner %s steps not read this round: %s", model_id,
+                         type(exc).__name__)
+                continue
+            round_s = None
+            if steps and self.pilot.is_auto(model_id):
+                round_s = ray.get(run.clock.round_seconds.remote(model_id),
+                                  timeout=CALL_TIMEOUT_S)
             for step in steps:
-                self.bus.publish("step", step)
+                if self.bus is not None:
+                    self.bus.publish("step", step)
                 self._versions[model_id] = max(self._versions[model_id], step["version"])
                 changed = True
-        if changed:
+                decision = self.pilot.observe(model_id, step, round_s)
+                if decision is not None:
+                    self._apply_auto(model_id, step["version"], decision)
+        if changed and self.bus is not None:
             self.bus.publish("version", {"versions": dict(self._versions), "at": now})
+
+    def _apply_auto(self, model_id: str, version: int, decision: Decision) -> None:
+        """Set the η the pilot chose, and say so: log, events/staleness, TensorBoard."""
+        ray.get(self.run.clock.set_max_staleness.remote(model_id, decision.eta),
+                timeout=CALL_TIMEOUT_S)
+        change = {"model": model_id, "version": version, "max_staleness": decision.eta,
+                  "reason": decision.reason, "at": time.time()}
+        self.staleness_changes.append(change)
+        log.info("auto staleness %s at v%d: %s", model_id, version, decision.reason)
+        if self.bus is not None:
+            self.bus.publish("staleness", change)
+        self.run.metrics.scalars.remote({f"staleness/{model_id}/auto_eta": float(decision.eta)},
+                                        version)
+        self.run.metrics.text.remote(f"staleness/{model_id}/auto", decision.reason, version)
 
     def rewound(self, model_id: str, version: int) -> None:
         """A restarted learner continues from `version`: its next steps are new events."""
@@ -171,6 +217,7 @@ class RunControl:
         if snapshot is not None:
             body["models"] = {
                 m: {"version": c["version"], "max_staleness": c["max_staleness"],
+                    "staleness_mode": "auto" if self.pilot.is_auto(m) else "fixed",
                     "issued_units": c["issued_units"], "limit": c["limit"],
                     **{k: snapshot.buffers[m][k] for k in ("ready_rows", "pending_rows",
                                                           "rows_trained")}}

@@ -139,7 +139,7 @@ class Run:
             num_cpus=0, max_restarts=cfg.run.buffer_restarts, max_task_retries=0).remote(
             m, mc.buffer, str(self.run_dir / "buffer" / m)) for m, mc in cfg.models.items()}
         self.clock = ray.remote(VersionClock).options(num_cpus=0).remote(
-            {m: (mc.learner.batch_units, mc.learner.max_staleness)
+            {m: (mc.learner.batch_units, mc.learner.initial_staleness)
              for m, mc in cfg.models.items()})
         coach = build_coach(cfg.coach, build_workflow(cfg.workflow),
                             str(self.run_dir / "coach_cache.jsonl"))
@@ -478,6 +478,8 @@ class Run:
             "coach": self._coach_metrics(), "actor_restarts": self.restarts,
             "control": {"commands": self.control.commands, "refused": self.control.refused,
                         "scaling": self.control.scaling, "stop_reason": self.control.stop_reason,
+                        "staleness_changes": self.control.staleness_changes,
+                        "staleness_windows": self.control.pilot.windows,
                         "bus": self.bus.stats() if self.bus else {}},
             "engines": engines,
             "engine_restarts": sum(e["restarts"] for e in engines.values()),

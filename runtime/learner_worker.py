@@ -60,11 +60,13 @@ class LearnerWorker:
 
         hf_logging.disable_progress_bar()  # the per-step progress line says what matters
         self.learner = build_learner(cfg, model_id, model_path, str(self.weights_dir))
-        self.max_staleness = cfg.max_staleness  # the clock's value at the last sample (logged)
+        self.max_staleness = cfg.initial_staleness  # the clock's value at the last sample (logged)
         self.version = 0
         self.rows_trained = 0
         self.busy_s = 0.0
         self.wait_s = 0.0
+        self.last_wait_s = 0.0  # the wait for the batch of the step in progress
+        self.staleness_sum = 0  # Σ staleness over every trained row (the run's mean)
         self.started_at = time.time()
         self.last_weights: str | None = None
         self.history: list[tuple[float, int, float]] = []  # (step end time, rows, busy s)
@@ -111,7 +113,8 @@ class LearnerWorker:
             if dropped_units:
                 await self.clock.release.remote(self.model_id, dropped_units)
             if batch is not None:
-                self.wait_s += time.perf_counter() - waited
+                self.last_wait_s = time.perf_counter() - waited
+                self.wait_s += self.last_wait_s
                 return batch
         return None
 
@@ -133,7 +136,8 @@ class LearnerWorker:
         clock = await self.clock.state.remote()
         meta = {"model_id": self.model_id, "version": self.version,
                 "rows_trained": self.rows_trained, "busy_s": self.busy_s,
-                "wait_s": self.wait_s, "written_at": time.time(), "clock": clock}
+                "wait_s": self.wait_s, "staleness_sum": self.staleness_sum,
+                "written_at": time.time(), "clock": clock}
         (tmp / "checkpoint.json").write_text(json.dumps(meta, indent=2))
         if final.exists():  # the same version again (a requested checkpoint at a due step)
             shutil.rmtree(final)
@@ -167,6 +171,7 @@ class LearnerWorker:
             await asyncio.to_thread(self.learner.load, str(Path(path) / "learner"))
             self.rows_trained = int(meta["rows_trained"])
             self.busy_s, self.wait_s = float(meta["busy_s"]), float(meta["wait_s"])
+            self.staleness_sum = int(meta["staleness_sum"])
         self.version = int(meta["version"])
         # published versions from the checkpoint's on died with the run (or are republished
         # now): the resumed lineage writes them afresh
@@ -201,6 +206,7 @@ class LearnerWorker:
         step_s = time.perf_counter() - start
         self.busy_s += step_s
         self.rows_trained += table.num_rows
+        self.staleness_sum += int(np.sum(batch.staleness))
         self.last_weights = ref.path
         self._audit({"version": self.version, "at": time.time(),
                      "max_staleness": self.max_staleness,
@@ -277,7 +283,8 @@ class LearnerWorker:
             "model": m, "version": v, "loss": round(float(train.get("loss", float("nan"))), 5),
             "rows": table.num_rows, "staleness_mean": round(float(staleness.mean()), 3),
             "staleness_max": int(staleness.max()), "max_staleness": self.max_staleness,
-            "step_s": round(step_s, 3), "at": time.time(),
+            "step_s": round(step_s, 3), "wait_s": round(self.last_wait_s, 3),
+            "ready_wait_s": round(unit_ready_wait_s(batch), 3), "at": time.time(),
             **{f"reward/{a}": round(float(np.mean(x)), 4) for a, x in sorted(per_agent.items())}})
         self.metrics.histogram.remote(f"staleness/{m}/histogram", staleness.tolist(), v)
         reward_text = " ".join(f"{a}={np.mean(x):.3f}" for a, x in sorted(per_agent.items()))
@@ -308,8 +315,19 @@ class LearnerWorker:
                 "rows_trained": self.rows_trained, "busy_s": self.busy_s,
                 "wait_s": self.wait_s, "elapsed_s": self.elapsed(),
                 "busy_fraction": self.busy_fraction(), "weights": self.last_weights,
+                "staleness_mean": self.staleness_sum / max(self.rows_trained, 1),
                 "checkpoints": list(self.checkpoints), "buffer_retries": self.buffer_retries,
                 "history": list(self.history)}
+
+
+def unit_ready_wait_s(batch) -> float:
+    """Mean over the batch's units of (unit READY − its last row's creation): what a unit
+    waited for rewards (the coach) after its round had generated it. 0 for an empty batch."""
+    if not len(batch.unit_ready_at):
+        return 0.0
+    created = batch.table.column("created_at").to_numpy().view(np.int64) / 1e6
+    last_created = np.maximum.reduceat(created, batch.unit_offsets[:-1])
+    return float(np.mean(np.maximum(batch.unit_ready_at - last_created, 0.0)))
 
 
 def complete_checkpoints(folder: Path) -> list[int]:

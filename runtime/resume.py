@@ -99,7 +99,7 @@ def restored_etas(cfg: TroupeConfig, plan: ResumePlan) -> dict[str, int]:
     for model_id, mc in cfg.models.items():
         meta = plan.meta.get(model_id)
         etas[model_id] = (int(meta["clock"]["models"][model_id]["max_staleness"])
-                          if meta else mc.learner.max_staleness)
+                          if meta else mc.learner.initial_staleness)
     return etas
 
 

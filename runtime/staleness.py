@@ -29,6 +29,7 @@ feeds it one `RateSample` a window per model and applies what it returns (the cl
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -125,3 +126,85 @@ class AutoStaleness:
             return None
         self._lower_votes = 0
         return None
+
+
+class StalenessPilot:
+    """Runs `AutoStaleness` for the models whose `max_staleness` is "auto", from the learner
+    step records the driver already reads (runtime/learner_worker.py `steps_since`).
+
+    A window is `staleness_window_steps` consecutive steps taken under one η; the first step
+    of a run (engines warming, the first round's full latency) and the first step after a
+    change (its batch was admitted under the old η) start no window. A unit's latency W is the
+    clock's mean round time from admission to generated (buffers/clock.py `round_seconds`)
+    plus the mean wait of the window's units from their last row to READY (the coach): an
+    upper bound, since a unit's rows may be generated before its round ends.
+    A user's fixed η (`ctl.py set-staleness`) switches a model to manual until `auto` is set
+    again, which starts a fresh controller.
+    """
+
+    def __init__(self, learners: dict) -> None:
+        """Args:
+            learners: model_id -> LearnerConfig (those with `auto_staleness` start on auto).
+        """
+        self.configs = dict(learners)
+        self.controllers: dict[str, AutoStaleness] = {}
+        self._window: dict[str, list[dict]] = {}
+        self._skip_next: set[str] = set()
+        # every window measured: model, version, the RateSample's fields, the η chosen (or
+        # None: kept) -- the run summary keeps them, and unit tests replay recorded ones
+        self.windows: list[dict] = []
+        for model_id, cfg in self.configs.items():
+            if cfg.auto_staleness:
+                self.enable(model_id)
+
+    def enable(self, model_id: str, cap: int | None = None) -> None:
+        """Put `model_id` on auto (again), with its config's target and cap (or `cap`)."""
+        cfg = self.configs[model_id]
+        cap = cfg.staleness_cap if cap is None else cap
+        self.controllers[model_id] = AutoStaleness(cap=cap, target_wait=cfg.staleness_target_wait,
+                                                    floor=0)
+        self._window[model_id] = []
+        self._skip_next.add(model_id)
+
+    def disable(self, model_id: str) -> None:
+        """A fixed η was set by hand: stop choosing for `model_id`."""
+        self.controllers.pop(model_id, None)
+        self._window.pop(model_id, None)
+        self._skip_next.discard(model_id)
+
+    def is_auto(self, model_id: str) -> bool:
+        return model_id in self.controllers
+
+    def observe(self, model_id: str, step: dict, round_s: float | None) -> Decision | None:
+        """Take one learner step record; at the end of a window, the η to set (or None).
+
+        `step` holds `version`, `max_staleness` (η it sampled under), `step_s`, `wait_s` and
+        `ready_wait_s`; `round_s` is the clock's mean round time for the model.
+        """
+        controller = self.controllers.get(model_id)
+        if controller is None:
+            return None
+        window = self._window[model_id]
+        if step["version"] <= 1 or model_id in self._skip_next:
+            self._skip_next.discard(model_id)
+            window.clear()
+            return None
+        if window and window[-1]["max_staleness"] != step["max_staleness"]:
+            window.clear()  # η changed by someone else (a restart, a restore)
+        window.append(step)
+        if len(window) < self.configs[model_id].staleness_window_steps:
+            return None
+        n = len(window)
+        sample = RateSample(
+            step_s=sum(s["step_s"] for s in window) / n,
+            wait_s=sum(s["wait_s"] for s in window) / n,
+            unit_latency_s=(round_s or 0.0) + sum(s["ready_wait_s"] for s in window) / n,
+            eta=int(step["max_staleness"]))
+        window.clear()
+        decision = controller.update(sample)
+        self.windows.append({"model": model_id, "version": int(step["version"]),
+                             **dataclasses.asdict(sample),
+                             "decision": None if decision is None else decision.eta})
+        if decision is not None:
+            self._skip_next.add(model_id)
+        return decision

@@ -11,7 +11,10 @@ fresh run (engines, learner, buffers) whose overrides are printed in the closing
 - the two mixed cells at `--mixed-at` (3 s): η = 2 with the coach inline, and η = 0 with
   the coach off the path, which say how much of the gain is staleness and how much the coach;
 - the reference: async with an instant coach (judge delay 0), the learner's busy fraction
-  when the coach costs nothing.
+  when the coach costs nothing;
+- with `--staleness auto`, an `auto` cell at each latency: `max_staleness: auto` (η chosen
+  from measured rates, runtime/staleness.py, up to `--cap`), coach off the path.
+Every cell also prints the mean staleness of the rows it trained (versions behind).
 Engines and learners run with `dtype: auto` (runtime/dtype.py), printed with its reason.
 Each cell prints rewarded rows trained per second and the learner busy fraction after one
 warm-up step (the first waits for engines, compilation and the first coach round trip).
@@ -22,12 +25,17 @@ Tiny CPU run (~6 minutes on 2 cores):
 Default, 9 runs of 8 learner steps (measured: 18.7 min on a 2-core AMD EPYC with avx512_bf16,
 shared with other jobs at load average 3-14; each run prints its wall time):
     python scripts/bench_async.py
+Fixed η = 2 against auto, with the windows the pilot measured written out:
+    python scripts/bench_async.py --staleness auto --mixed-at --trace-out runs/bench/auto.json
 Cluster: the same command inside `ray job submit --working-dir . -- python scripts/...`.
-The last line reads `async/sync throughput at 3s coach: <ratio>`.
+With `--staleness auto` the line before the last reads `busy at 3s coach vs instant: <ratio>`
+(the auto cell's busy fraction over the instant-coach run's); the last line reads
+`async/sync throughput at 3s coach: <ratio>`.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -57,7 +65,7 @@ class Cell:
     """One run: staleness bound, where the coach sits, and its latency."""
 
     name: str
-    eta: int  # models.policy.learner.max_staleness
+    eta: int | str  # models.policy.learner.max_staleness (an integer, or "auto")
     coach_inline: bool  # rollout.sync_coach
     latency_s: float  # the judge's server-side delay (or the RuleCoach's injected latency)
 
@@ -73,10 +81,11 @@ def coach_overrides(coach: str, latency: float, judge: LoopbackJudge | None) -> 
 
 
 def cell_config(cell: Cell, steps: int, runs_dir: str, coach: str,
-                judge: LoopbackJudge | None) -> TroupeConfig:
+                judge: LoopbackJudge | None, cap: int) -> TroupeConfig:
     overrides = BASE + coach_overrides(coach, cell.latency_s, judge) + [
         f"run.max_steps={steps}", f"run.runs_dir={runs_dir}",
         f"models.policy.learner.max_staleness={cell.eta}",
+        f"models.policy.learner.staleness_cap={cap}",
         f"rollout.sync_coach={'true' if cell.coach_inline else 'false'}",
     ]
     return load_config(None, overrides)
@@ -89,18 +98,26 @@ def measure(cfg: TroupeConfig) -> dict:
     history = summary["learners"]["policy"]["history"]  # (step end time, rows, step seconds)
     (t0, _, _), rest = history[0], history[1:]
     elapsed = rest[-1][0] - t0
+    learner = summary["learners"]["policy"]
+    changes = summary["control"]["staleness_changes"]
     return {"rows_per_s": sum(r for _, r, _ in rest) / elapsed,
             "busy_fraction": sum(b for _, _, b in rest) / elapsed,
+            "staleness_mean": learner["staleness_mean"],
+            "etas": [cfg.models["policy"].learner.initial_staleness]
+            + [c["max_staleness"] for c in changes],
+            "windows": summary["control"]["staleness_windows"],
             "unaccounted": summary["rows"]["unaccounted"],
             "coach_failures": summary["coach"]["failures"],
             "coach_p50_s": summary["coach"]["latency_p50_s"],
             "dtypes": summary["dtypes"]["policy"], "wall_s": time.perf_counter() - started}
 
 
-def plan(latencies: list[float], mixed_at: list[float]) -> list[Cell]:
+def plan(latencies: list[float], mixed_at: list[float], auto: bool) -> list[Cell]:
     cells = [Cell("instant", 2, False, 0.0)]
     for latency in latencies:
         cells += [Cell("async", 2, False, latency), Cell("sync", 0, True, latency)]
+        if auto:
+            cells.append(Cell("auto", "auto", False, latency))
     for latency in mixed_at:
         cells += [Cell("η2 inline", 2, True, latency), Cell("η0 async", 0, False, latency)]
     return cells
@@ -115,6 +132,11 @@ def main() -> None:
                         help="latencies of the two mixed cells (none: skip them)")
     parser.add_argument("--coach", choices=("http", "rule"), default="http")
     parser.add_argument("--runs-dir", default="runs/bench")
+    parser.add_argument("--staleness", choices=("fixed", "auto"), default="fixed",
+                        help="auto: add a max_staleness=auto cell at each latency")
+    parser.add_argument("--cap", type=int, default=8, help="staleness_cap of the auto cells")
+    parser.add_argument("--trace-out", default=None,
+                        help="write the auto cells' measured windows (JSON) here")
     args = parser.parse_args()
     if not set(args.mixed_at) <= set(args.latencies):
         parser.error(f"--mixed-at {args.mixed_at} must be among --latencies {args.latencies} "
@@ -123,20 +145,26 @@ def main() -> None:
     _, header = dtype_header("cpu")
     print(header, flush=True)
     judge = LoopbackJudge() if args.coach == "http" else None
-    cells = plan(args.latencies, args.mixed_at)
+    cells = plan(args.latencies, args.mixed_at, args.staleness == "auto")
     results, started = {}, time.perf_counter()
     try:
         for cell in cells:
-            cfg = cell_config(cell, args.steps, args.runs_dir, args.coach, judge)
+            cfg = cell_config(cell, args.steps, args.runs_dir, args.coach, judge, args.cap)
             results[cell] = r = measure(cfg)
             r["config"] = (cfg.models["policy"].learner.max_staleness, cfg.rollout.sync_coach)
             print(f"{cell.name:<10} coach {cell.latency_s:>4.1f}s  rows/s {r['rows_per_s']:8.2f}  "
-                  f"learner busy {r['busy_fraction']:6.1%}  coach p50 {r['coach_p50_s']:5.2f}s  "
+                  f"learner busy {r['busy_fraction']:6.1%}  "
+                  f"staleness mean {r['staleness_mean']:4.2f}  "
+                  f"η {'->'.join(map(str, r['etas']))}  coach p50 {r['coach_p50_s']:5.2f}s  "
                   f"coach failures {r['coach_failures']:.0f}  unaccounted rows {r['unaccounted']}  "
                   f"({r['wall_s']:.0f} s)", flush=True)
     finally:
         if judge is not None:
             judge.close()
+    if args.trace_out:
+        traces = {f"{c.latency_s:g}": results[c]["windows"] for c in cells if c.name == "auto"}
+        Path(args.trace_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.trace_out).write_text(json.dumps(traces, indent=1))
     report(cells, results, args, time.perf_counter() - started)
 
 
@@ -146,14 +174,15 @@ def report(cells: list[Cell], results: dict, args, wall_s: float) -> None:
           f"{wall_s / 60:.1f} min; busy/instant = learner busy over the instant-coach run's")
     print(f"{'cell':<10} {'coach':>6} {'max_staleness':>13} {'sync_coach':>10} "
           f"{'dtype engine/learner':>21} "
-          f"{'rows/s':>8} {'busy':>7} {'busy/instant':>12}")
+          f"{'rows/s':>8} {'busy':>7} {'busy/instant':>12} {'stale mean':>10}")
     for cell in cells:
         r = results[cell]
         eta, inline = r["config"]
         dtypes = f"{r['dtypes']['engine']}/{r['dtypes']['learner']}"
         print(f"{cell.name:<10} {cell.latency_s:>5.1f}s {eta:>13} {str(inline).lower():>10} "
               f"{dtypes:>21} {r['rows_per_s']:>8.2f} {r['busy_fraction']:>7.1%} "
-              f"{r['busy_fraction'] / instant['busy_fraction']:>12.2f}")
+              f"{r['busy_fraction'] / instant['busy_fraction']:>12.2f} "
+              f"{r['staleness_mean']:>10.2f}")
     print(f"\n{'coach':>7} {'async rows/s':>13} {'sync rows/s':>12} {'ratio':>7} "
           f"{'busy async':>11} {'busy sync':>10}")
     by = {(c.name, c.latency_s): results[c] for c in cells}
@@ -171,6 +200,16 @@ def report(cells: list[Cell], results: dict, args, wall_s: float) -> None:
               f"{by['async', latency]['rows_per_s'] / sync:.2f}")
     busy = by["async", key]["busy_fraction"] / instant["busy_fraction"]
     print(f"learner busy at {key:g}s coach vs instant-coach run: {busy:.2f}")
+    if args.staleness == "auto":
+        print(f"\n{'coach':>7} {'busy η=2':>9} {'stale η=2':>10} {'busy auto':>10} "
+              f"{'stale auto':>11} {'auto η over the run':>20}")
+        for latency in args.latencies:
+            f, a = by["async", latency], by["auto", latency]
+            print(f"{latency:>6.1f}s {f['busy_fraction']:>9.1%} {f['staleness_mean']:>10.2f} "
+                  f"{a['busy_fraction']:>10.1%} {a['staleness_mean']:>11.2f} "
+                  f"{'->'.join(map(str, a['etas'])):>20}")
+        auto_busy = by["auto", key]["busy_fraction"] / instant["busy_fraction"]
+        print(f"busy at {key:g}s coach vs instant: {auto_busy:.2f}")
     ratio = by["async", key]["rows_per_s"] / by["sync", key]["rows_per_s"]
     print(f"async/sync throughput at {key:g}s coach: {ratio:.2f}")
 

@@ -2,6 +2,7 @@
 
     python scripts/ctl.py --run runs/<run_id> status
     python scripts/ctl.py --run latest set-staleness policy 1
+    python scripts/ctl.py --run latest set-staleness policy auto [--cap 8]   # η from rates
     python scripts/ctl.py --run latest scale-rollout 3
     python scripts/ctl.py --run latest pause | resume | checkpoint | stop [--reason "..."]
     python scripts/ctl.py --run latest watch            # one line per learner step, until ^C
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import aiomqtt
+import yaml
 
 from runtime.bus import (BadMessage, BusConfig, BusConfigError, BusEndpoint, Checkpoint,
                          Command, Pause, Resume, ScaleRollout, SetStaleness, Stop,
@@ -67,11 +69,33 @@ def connect_info(args: argparse.Namespace) -> tuple[BusEndpoint, str]:
     return endpoint, check_run_id(run_id)
 
 
+def staleness_command(args: argparse.Namespace, run_id: str, request_id: str) -> SetStaleness:
+    """A fixed η, or "auto" with its cap: --cap, else the run's configured staleness_cap."""
+    if args.max_staleness != "auto":
+        if not args.max_staleness.isdigit():
+            raise CtlError(f"set-staleness {args.model} {args.max_staleness}: give an integer "
+                           "η >= 0, or auto")
+        if args.cap is not None:
+            raise CtlError("--cap goes with set-staleness MODEL auto (a fixed η needs no cap)")
+        return SetStaleness(run_id=run_id, model=args.model,
+                            max_staleness=int(args.max_staleness), request_id=request_id)
+    cap = args.cap
+    if cap is None:
+        if args.url is not None:
+            raise CtlError("set-staleness MODEL auto with --url needs --cap N (the largest η)")
+        config = find_run(args.run, Path(args.runs_dir)) / "config.yaml"
+        learner = yaml.safe_load(config.read_text())["models"].get(args.model)
+        if learner is None:
+            raise CtlError(f"model {args.model!r} is not in {config}")
+        cap = int(learner["learner"]["staleness_cap"])
+    return SetStaleness(run_id=run_id, model=args.model, max_staleness=cap,
+                        request_id=request_id, mode="auto")
+
+
 def build_command(args: argparse.Namespace, run_id: str) -> Command:
     request_id = secrets.token_hex(6)
     if args.verb == "set-staleness":
-        return SetStaleness(run_id=run_id, model=args.model, max_staleness=args.max_staleness,
-                            request_id=request_id)
+        return staleness_command(args, run_id, request_id)
     if args.verb == "scale-rollout":
         return ScaleRollout(run_id=run_id, actors=args.actors, request_id=request_id)
     if args.verb == "stop":
@@ -176,6 +200,7 @@ async def watch(endpoint: BusEndpoint, run_id: str) -> int:
     async with endpoint.client(BusConfig()) as client:
         await client.subscribe(event_topic(run_id, "step"), qos=1)
         await client.subscribe(event_topic(run_id, "error"), qos=1)
+        await client.subscribe(event_topic(run_id, "staleness"), qos=1)
         print(f"watching run {run_id} (Ctrl-C to stop)", flush=True)
         printer = asyncio.create_task(_print_events(client, run_id))
         stopper = asyncio.create_task(stop.wait())
@@ -188,13 +213,16 @@ async def watch(endpoint: BusEndpoint, run_id: str) -> int:
 
 
 async def _print_events(client: aiomqtt.Client, run_id: str) -> None:
-    topics = {event_topic(run_id, "step"), event_topic(run_id, "error")}
+    topics = {event_topic(run_id, name) for name in ("step", "error", "staleness")}
     async for message in client.messages:
         body = read_event(message, topics)
         if body is None:
             continue
         if message.topic.matches(event_topic(run_id, "error")):
             print(f"error on {body.get('topic', '?')}: {body.get('reason', body)}", flush=True)
+        elif message.topic.matches(event_topic(run_id, "staleness")):
+            print(f"auto staleness {body.get('model', '?')} -> {body.get('max_staleness', '?')}: "
+                  f"{body.get('reason', '')}", flush=True)
         else:
             print(step_line(body), flush=True)
 
@@ -211,9 +239,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds to wait for the run's answer (default 30)")
     verbs = parser.add_subparsers(dest="verb", required=True)
     verbs.add_parser("status", help="the run's retained status and weight versions")
-    staleness = verbs.add_parser("set-staleness", help="set a model's max_staleness (η)")
+    staleness = verbs.add_parser("set-staleness", help="set a model's max_staleness (η), or "
+                                 "auto: chosen from measured rates")
     staleness.add_argument("model")
-    staleness.add_argument("max_staleness", type=int)
+    staleness.add_argument("max_staleness", help="an integer >= 0, or auto")
+    staleness.add_argument("--cap", type=int, default=None,
+                           help="with auto: the largest η (default: the run's staleness_cap)")
     scale = verbs.add_parser("scale-rollout", help="run N rollout actors")
     scale.add_argument("actors", type=int)
     for verb in ("pause", "resume", "checkpoint"):

@@ -32,7 +32,8 @@ STALL_S = 20.0
 
 EXAMPLES = [SetStaleness(RUN, "tiny", 3, "r1"), ScaleRollout(RUN, 2, "r2"), Pause(RUN, "r3"),
             Resume(RUN, "r4"), Checkpoint(RUN, "r5"), Stop(RUN, "operator said so", "r6"),
-            CoachControl(RUN, "pause", "r7"), Stop(RUN)]
+            CoachControl(RUN, "pause", "r7"), Stop(RUN),
+            SetStaleness(RUN, "tiny", 6, "r8", "auto")]
 
 
 @pytest.fixture(scope="module")

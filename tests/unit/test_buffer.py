@@ -1,4 +1,5 @@
 """ReplayBuffer readiness, ordering, drops and accounting (DESIGN §4-§5)."""
+import dataclasses
 import pickle
 import time
 
@@ -392,3 +393,22 @@ def test_a_first_arrival_larger_than_the_initial_slots_is_held():
     assert batch is not None and batch.table.num_rows == 300
     assert sorted(batch.table.column("step_id").to_pylist()) == sorted(r.step_id for r in rows)
     _invariant(buf)
+
+
+def test_unit_ready_wait_is_the_wait_from_a_units_last_row_to_ready():
+    """What the learner reports as the coach's share of a unit's latency (auto staleness)."""
+    from runtime.learner_worker import unit_ready_wait_s
+
+    now = [1000.0]
+    buf = ReplayBuffer("m", BufferConfig())
+    buf._clock = lambda: now[0]
+    early = _rows("g0", size=2, created_at=990.0)
+    late = _rows("g1", size=2, created_at=995.0)
+    late[1] = dataclasses.replace(late[1], created_at=998.0)
+    assert buf.try_add(early + late)
+    now[0] = 1001.0
+    _reward(buf, early)  # g0 ready at 1001: 11 s after its last row
+    now[0] = 1004.0
+    _reward(buf, late)  # g1 ready at 1004: 6 s after its last row (998), not its first
+    batch = buf.sample(2, current_version=0, max_staleness=0)
+    assert unit_ready_wait_s(batch) == pytest.approx((11.0 + 6.0) / 2)

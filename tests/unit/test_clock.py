@@ -162,3 +162,21 @@ def test_rewind_re_derives_issued_units_and_only_goes_back():
     assert clock.snapshot()["a"]["issued_units"] == 4 * 2 + 3 + 2
     with pytest.raises(ValueError, match="only goes back"):
         clock.rewind("a", 6, held_units=0)
+
+
+def test_round_seconds_average_admission_to_generated_per_model(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr("buffers.ledger.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("buffers.clock.time.monotonic", lambda: now[0])
+    clock = VersionClock({"a": (4, 2), "b": (4, 2)})
+    assert clock.round_seconds("a") is None
+    assert clock.try_admit({"a": 2, "b": 0}, "r", "round-1")
+    assert clock.try_admit({"a": 1, "b": 1}, "r", "round-2")
+    now[0] = 103.0
+    clock.generated("round-1", {"e1": {"a": 4}}, {"a": 2, "b": 0})
+    now[0] = 107.0
+    clock.generated("round-2", {"e2": {"a": 2, "b": 2}}, {"a": 1, "b": 1})
+    assert clock.round_seconds("a") == pytest.approx((3.0 + 7.0) / 2)
+    assert clock.round_seconds("b") == pytest.approx(7.0)  # round-1 made no unit of b
+    with pytest.raises(KeyError, match="unknown model 'c'"):
+        clock.round_seconds("c")

@@ -6,10 +6,14 @@ arrive at (η + 1) · B / W units a second, capped by what the rollout side can 
 rest. Its windows are the traces the controller reads.
 """
 import math
+import sys
+from pathlib import Path
 
 import pytest
 
-from runtime.staleness import AutoStaleness, RateSample
+from learners.config import LearnerConfig
+from runtime.bus import BadMessage, encode_command, parse_control
+from runtime.staleness import AutoStaleness, RateSample, StalenessPilot
 
 B = 4  # units a learner step
 
@@ -99,3 +103,96 @@ def test_one_quick_window_does_not_undo_a_raise():
 def test_bad_settings_name_the_value(kwargs, message):
     with pytest.raises(ValueError, match=message):
         AutoStaleness(**kwargs)
+
+
+# ---------------------------------------------------------------- the pilot (driver side)
+def learner(**overrides) -> LearnerConfig:
+    return LearnerConfig(**{"max_staleness": "auto", "staleness_cap": 8, **overrides})
+
+
+def step(version: int, eta: int, step_s: float = 3.0, wait_s: float = 9.0,
+         ready_wait_s: float = 10.0) -> dict:
+    """A learner step record as runtime/learner_worker.py publishes it (the fields read)."""
+    return {"version": version, "max_staleness": eta, "step_s": step_s, "wait_s": wait_s,
+            "ready_wait_s": ready_wait_s}
+
+
+def test_the_pilot_skips_warmup_measures_a_window_and_raises_to_the_model_eta():
+    pilot = StalenessPilot({"policy": learner(), "fixed": learner(max_staleness=2)})
+    assert pilot.is_auto("policy") and not pilot.is_auto("fixed")
+    # v1 is warm-up; v2 + v3 are the window: W = 1 s round + 10 s coach, S = 3 s
+    # -> η* = ⌈0.9 · 11 / 3⌉ − 1 = 3
+    assert pilot.observe("policy", step(1, 1), round_s=1.0) is None
+    assert pilot.observe("policy", step(2, 1), round_s=1.0) is None
+    decision = pilot.observe("policy", step(3, 1), round_s=1.0)
+    assert decision.eta == 3 and decision.reason.startswith("raise 1 -> 3")
+    assert "unit latency 11.00 s over learner step 3.00 s needs η 3" in decision.reason
+    # the step after a change was sampled before it: no window starts there
+    assert pilot.observe("policy", step(4, 1), round_s=1.0) is None
+    assert pilot.observe("policy", step(5, 3, wait_s=0.1), round_s=1.0) is None
+    assert pilot.observe("policy", step(6, 3, wait_s=0.1), round_s=1.0) is None  # steady
+    assert pilot.observe("fixed", step(9, 2), round_s=1.0) is None  # not on auto
+
+
+def test_a_hand_set_eta_turns_the_pilot_off_until_auto_again_with_a_new_cap():
+    pilot = StalenessPilot({"policy": learner()})
+    pilot.disable("policy")
+    assert not pilot.is_auto("policy")
+    assert [pilot.observe("policy", step(v, 1), 1.0) for v in range(2, 8)] == [None] * 6
+    pilot.enable("policy", cap=2)
+    assert pilot.observe("policy", step(8, 1), 1.0) is None  # the first step after: skipped
+    assert pilot.observe("policy", step(9, 1), 1.0) is None
+    decision = pilot.observe("policy", step(10, 1), 1.0)
+    assert decision.eta == 2 and "(the cap)" in decision.reason
+
+
+def test_a_window_spans_only_steps_under_one_eta():
+    pilot = StalenessPilot({"policy": learner(staleness_window_steps=3)})
+    pilot.observe("policy", step(1, 1), 1.0)
+    pilot.observe("policy", step(2, 1), 1.0)
+    pilot.observe("policy", step(3, 1), 1.0)
+    # η changed underneath (a restore): the window starts over with the step at η 2
+    assert pilot.observe("policy", step(4, 2), 1.0) is None
+    assert pilot.observe("policy", step(5, 2), 1.0) is None
+    assert pilot.observe("policy", step(6, 2), 1.0).eta == 3
+
+
+def test_auto_in_the_learner_config():
+    assert learner().auto_staleness and learner().initial_staleness == 1
+    assert learner(staleness_cap=0).initial_staleness == 0
+    fixed = LearnerConfig(max_staleness=4)
+    assert not fixed.auto_staleness and fixed.initial_staleness == 4
+    for bad, field in (("Auto", "max_staleness"), (-1, "max_staleness")):
+        with pytest.raises(ValueError, match=f"{field}={bad!r}.*or 'auto'"):
+            LearnerConfig(max_staleness=bad)
+    with pytest.raises(ValueError, match="staleness_target_wait=1.0"):
+        learner(staleness_target_wait=1.0)
+    with pytest.raises(ValueError, match="staleness_window_steps=0"):
+        learner(staleness_window_steps=0)
+
+
+def test_set_staleness_auto_on_the_bus_and_from_ctl(tmp_path):
+    """`ctl.py set-staleness policy auto` sends mode auto with the run's configured cap."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import ctl
+
+    run_dir = tmp_path / "run-1"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("models:\n  policy:\n    learner:\n"
+                                         "      staleness_cap: 5\n")
+    args = ctl.parse_args(["--run", str(run_dir), "set-staleness", "policy", "auto"])
+    command = ctl.build_command(args, "run-1")
+    assert (command.mode, command.max_staleness) == ("auto", 5)
+    topic, payload = encode_command(command)
+    assert parse_control(f"troupe/run-1/control/{topic}", payload, "run-1") == command
+    args = ctl.parse_args(["--run", str(run_dir), "set-staleness", "policy", "auto", "--cap", "3"])
+    assert ctl.build_command(args, "run-1").max_staleness == 3
+    fixed = ctl.build_command(ctl.parse_args(["--run", str(run_dir), "set-staleness", "policy",
+                                              "2"]), "run-1")
+    assert (fixed.mode, fixed.max_staleness) == ("fixed", 2)
+    with pytest.raises(ctl.CtlError, match="give an integer η >= 0, or auto"):
+        ctl.build_command(ctl.parse_args(["--run", str(run_dir), "set-staleness", "policy",
+                                          "often"]), "run-1")
+    bad = payload.replace(b'"auto"', b'"smart"')
+    with pytest.raises(BadMessage, match="choose one of \\['fixed', 'auto'\\]"):
+        parse_control(f"troupe/run-1/control/{topic}", bad, "run-1")
