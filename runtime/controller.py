@@ -37,10 +37,11 @@ from runtime.config import TroupeConfig, to_yaml
 from runtime.control import RunControl
 from runtime.failures import ACTOR_GONE
 from runtime.dtype import resolve_dtype
-from runtime.learner_worker import LearnerWorker, complete_checkpoints
+from runtime.learner_worker import (LearnerFiles, LearnerPeers, LearnerWorker,
+                                    complete_checkpoints)
 from runtime.metrics import MetricsWriter
 from runtime.models import resolve_model
-from runtime.rollout_host import BufferCommit, RayRolloutPorts, RolloutHost
+from runtime.rollout_host import BufferCommit, RayRolloutPorts, RolloutHost, RolloutSetup
 from runtime.resume import (ResumePlan, leave_resume_files, plan_resume, resend_coach_requests,
                             restore_parts)
 from runtime.stall import Snapshot, diagnose
@@ -155,9 +156,11 @@ class Run:
             self.learners[model_id] = ray.remote(LearnerWorker).options(
                 num_cpus=cfg.run.learner_cpus, num_gpus=gpus, max_concurrency=8,
                 max_restarts=cfg.run.learner_restarts, max_task_retries=0).remote(
-                model_id, mc.learner, self.model_paths[model_id], str(self.run_dir),
-                self.buffers[model_id], self.clock, self.engines[model_id], self.metrics,
-                cfg.run.keep_weights, pad_id, cfg.run.checkpoint_every, cfg.run.keep_checkpoints)
+                model_id, mc.learner, self.model_paths[model_id],
+                LearnerPeers(self.buffers[model_id], self.clock, self.engines[model_id],
+                             self.metrics),
+                LearnerFiles(str(self.run_dir), pad_id, cfg.run.keep_weights,
+                             cfg.run.checkpoint_every, cfg.run.keep_checkpoints))
         self.urls = urls
         self.buffer_incarnations = {m: ray.get(b.incarnation.remote())
                                     for m, b in self.buffers.items()}
@@ -176,11 +179,12 @@ class Run:
         cfg = self.cfg
         self.spawned += 1
         owner = f"rollout-{index}-{self.spawned}"  # unique per actor ever started
+        setup = RolloutSetup(self.run_id, index, owner, self.urls, self.model_paths,
+                             self.readiness,
+                             {m: dict(mc.chat_template_kwargs) for m, mc in cfg.models.items()})
         actor = ray.remote(RolloutHost).options(
             num_cpus=cfg.run.rollout_cpus, max_concurrency=1000).remote(
-            cfg.rollout, cfg.workflow, self.run_id, index, self.urls, self.model_paths,
-            self.ports, self.readiness, owner,
-            {m: dict(mc.chat_template_kwargs) for m, mc in cfg.models.items()})
+            cfg.rollout, cfg.workflow, setup, self.ports)
         self.rollouts[index] = actor
         self.owners[index] = owner
         self.rollout_refs[actor.run.remote()] = index

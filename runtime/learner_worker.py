@@ -17,7 +17,9 @@ import os
 import shutil
 import time
 from collections import defaultdict, deque
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -32,25 +34,46 @@ log = logging.getLogger("troupe.learner")
 BUFFER_RESTART_S = 180.0  # how long calls to a buffer being restarted by Ray are retried
 
 
+@dataclass(frozen=True)
+class LearnerPeers:
+    """The actor handles one learner talks to (STYLE §2: one typed bundle, not a list)."""
+
+    buffer: Any  # this model's BufferActor (runtime/buffer_actor.py)
+    clock: Any  # the run's VersionClock actor (buffers/clock.py)
+    engines: list  # SGLangEngine actors serving this model (actors/engines/sglang.py)
+    metrics: Any  # the run's MetricsWriter actor (runtime/metrics.py)
+
+
+@dataclass(frozen=True)
+class LearnerFiles:
+    """Where a learner writes and how much it keeps."""
+
+    run_dir: str  # runs/<run_id>: weights/, checkpoints/, logs/ of the run
+    pad_id: int  # the tokenizer's pad id (batches are padded with it)
+    keep_weights: int = 3  # published weight versions kept on disk
+    checkpoint_every: int = 0  # learner steps between checkpoints (0: only on request / stop)
+    keep_checkpoints: int = 2  # checkpoints kept (older ones are deleted)
+
+
 class LearnerWorker:
     """Drives one model's learner; `runtime.controller` wraps it as a Ray actor."""
 
-    def __init__(self, model_id: str, cfg: LearnerConfig, model_path: str, run_dir: str,
-                 buffer, clock, engines: list, metrics, keep_weights: int, pad_id: int,
-                 checkpoint_every: int = 0, keep_checkpoints: int = 2) -> None:
+    def __init__(self, model_id: str, cfg: LearnerConfig, model_path: str,
+                 peers: LearnerPeers, files: LearnerFiles) -> None:
         configure_logging()  # this actor's process: the first call in it configures
         self.model_id = model_id
         self.cfg = cfg
-        self.buffer = buffer
-        self.clock = clock
-        self.engines = engines
-        self.metrics = metrics
-        self.keep_weights = keep_weights
-        self.pad_id = pad_id
+        self.buffer = peers.buffer
+        self.clock = peers.clock
+        self.engines = peers.engines
+        self.metrics = peers.metrics
+        self.keep_weights = files.keep_weights
+        self.pad_id = files.pad_id
+        run_dir = files.run_dir
         self.weights_dir = Path(run_dir) / "weights" / model_id
         self.checkpoints_dir = Path(run_dir) / "checkpoints" / model_id
-        self.checkpoint_every = checkpoint_every
-        self.keep_checkpoints = keep_checkpoints
+        self.checkpoint_every = files.checkpoint_every
+        self.keep_checkpoints = files.keep_checkpoints
         self._checkpoint_requested = False
         self.checkpoints: list[dict] = []  # (version, seconds, path) of checkpoints written
         # one line per step: the step_ids it trained (and a marker at each resume), so "no row

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 from actors.episode import Advice, AdviceRequest, CoachRequest, ModelRoute
 from actors.engines.client import EngineClient
@@ -109,25 +110,35 @@ class BufferCommit:
         await self.buffers[model_id].commit_rewards.remote(commits)
 
 
+@dataclass(frozen=True)
+class RolloutSetup:
+    """What one rollout actor is: its place in the run and how it reaches the engines."""
+
+    run_id: str
+    actor_index: int  # its slot (rollout.actors / max_actors); shards the task stream
+    owner: str  # its unique name at the clock (in-flight round accounting)
+    engine_urls: dict[str, list[str]]  # model_id -> the SGLang servers serving it
+    model_paths: dict[str, str]  # model_id -> HF folder (the tokenizer)
+    readiness: dict[str, str]  # model_id -> "group" | "episode" (DESIGN §4)
+    template_kwargs: dict[str, dict]  # model_id -> extra chat-template arguments
+
+
 class RolloutHost:
     """Owns one RolloutActor and its engine clients inside a Ray actor process."""
 
-    def __init__(self, cfg: RolloutConfig, workflow_cfg: WorkflowConfig, run_id: str,
-                 actor_index: int, engine_urls: dict[str, list[str]],
-                 model_paths: dict[str, str], ports: RayRolloutPorts,
-                 readiness: dict[str, str], owner: str,
-                 template_kwargs: dict[str, dict] | None = None) -> None:
+    def __init__(self, cfg: RolloutConfig, workflow_cfg: WorkflowConfig, setup: RolloutSetup,
+                 ports: RayRolloutPorts) -> None:
         from transformers import AutoTokenizer
 
         configure_logging()  # this actor's process: the first call in it configures
         routes = {
             model_id: ModelRoute(model_id, [EngineClient(url) for url in urls],
-                                 AutoTokenizer.from_pretrained(model_paths[model_id]),
-                                 (template_kwargs or {}).get(model_id))
-            for model_id, urls in engine_urls.items()
+                                 AutoTokenizer.from_pretrained(setup.model_paths[model_id]),
+                                 setup.template_kwargs.get(model_id))
+            for model_id, urls in setup.engine_urls.items()
         }
-        self.actor = RolloutActor(cfg, workflow_cfg, run_id, actor_index, routes,
-                                  ports.for_owner(owner), readiness)
+        self.actor = RolloutActor(cfg, workflow_cfg, setup.run_id, setup.actor_index, routes,
+                                  ports.for_owner(setup.owner), setup.readiness)
 
     async def run(self) -> dict:
         return await self.actor.run()
