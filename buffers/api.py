@@ -89,6 +89,17 @@ class BufferStats:
 
 
 @dataclass(frozen=True)
+class LearnerSample:
+    """One learner call's answer: a batch (or None when none came ready in time), the units
+    dropped since the last answer (their admission budget goes back to the clock) and the
+    buffer's counters after sampling -- one round trip instead of three."""
+
+    batch: ReadyBatch | None
+    dropped_units: int
+    stats: BufferStats
+
+
+@dataclass(frozen=True)
 class RecoveryReport:
     """What `ReplayBuffer.recover` rebuilt from a write-ahead log, for the runtime to log."""
 

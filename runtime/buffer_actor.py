@@ -21,7 +21,7 @@ import os
 import time
 from pathlib import Path
 
-from buffers.api import ReadyBatch
+from buffers.api import LearnerSample, ReadyBatch
 from buffers.replay import ReplayBuffer
 
 log = logging.getLogger("troupe")
@@ -94,6 +94,12 @@ class BufferActor(ReplayBuffer):
                 await asyncio.wait_for(self._changed.wait(), remaining)
             except TimeoutError:
                 return self.sample(num_units, current_version, max_staleness)
+
+    async def sample_for_learner(self, num_units: int, current_version: int,
+                                 max_staleness: int, timeout_s: float = 1.0) -> LearnerSample:
+        """`sample_wait`, with the dropped units taken and the counters read in the same call."""
+        batch = await self.sample_wait(num_units, current_version, max_staleness, timeout_s)
+        return LearnerSample(batch, self.take_dropped_units(), self.stats())
 
     def _wake(self) -> None:
         if self._changed is not None:

@@ -1,7 +1,8 @@
 """The learner actor of one model: pull ready units, train, publish, bump the version.
 
 Each step: read η from the clock (its one live copy, DESIGN §5), await the oldest ready units
-under that bound from the buffer (no polling: `BufferActor.sample_wait`), compute advantages
+under that bound from the buffer (no polling: `BufferActor.sample_for_learner` waits for
+arrivals and also hands back the dropped units and its counters), compute advantages
 (§6), run the backend's `train_step` (proximal logprobs + decoupled PPO with the behaviour
 correction), publish HF safetensors for version v+1, have every engine of the model load them,
 and tell the clock. Every `checkpoint_every` steps (or on request) the learner's state goes to
@@ -16,7 +17,7 @@ import logging
 import os
 import shutil
 import time
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,8 @@ class LearnerWorker:
         self.history: list[tuple[float, int, float]] = []  # (step end time, rows, busy s)
         self.steps: deque[dict] = deque(maxlen=256)  # recent step records (events/step)
         self.buffer_retries = 0  # buffer calls retried while Ray restarted the buffer
+        self.calls: Counter[str] = Counter()  # remote calls this learner made, by callee
+        self.buffer_stats = None  # the buffer's counters as of the last sample
         self._stop = False
         self._step_started: float | None = None  # wall time the running step began
 
@@ -129,12 +132,14 @@ class LearnerWorker:
                 await self.checkpoint()
                 continue  # a stop may have come in meanwhile
             # η is read from the clock each time: a live change applies to this sampling
+            self.calls["clock"] += 1
             self.max_staleness = await self.clock.max_staleness.remote(self.model_id)
-            batch = await self._buffer("sample_wait", self.cfg.batch_units, self.version,
-                                       self.max_staleness, 1.0)
-            dropped_units = await self._buffer("take_dropped_units")
-            if dropped_units:
-                await self.clock.release.remote(self.model_id, dropped_units)
+            sample = await self._buffer("sample_for_learner", self.cfg.batch_units,
+                                        self.version, self.max_staleness, 1.0)
+            batch, self.buffer_stats = sample.batch, sample.stats
+            if sample.dropped_units:
+                self.calls["clock"] += 1
+                await self.clock.release.remote(self.model_id, sample.dropped_units)
             if batch is not None:
                 self.last_wait_s = time.perf_counter() - waited
                 self.wait_s += self.last_wait_s
@@ -156,6 +161,7 @@ class LearnerWorker:
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         await asyncio.to_thread(self.learner.save, str(tmp / "learner"))
+        self.calls["clock"] += 1
         clock = await self.clock.state.remote()
         meta = {"model_id": self.model_id, "version": self.version,
                 "rows_trained": self.rows_trained, "busy_s": self.busy_s,
@@ -170,6 +176,7 @@ class LearnerWorker:
         seconds = time.perf_counter() - started
         self.checkpoints.append({"version": self.version, "seconds": seconds,
                                  "path": str(final)})
+        self.calls["metrics"] += 1
         self.metrics.scalars.remote({f"perf/{self.model_id}/checkpoint_s": seconds},
                                     self.version)
         log.info("[%s] checkpoint v%d written in %.1f s: %s", self.model_id, self.version,
@@ -203,6 +210,7 @@ class LearnerWorker:
                 shutil.rmtree(old)
         # engines restart from the base weights: they must serve the checkpoint's version
         ref = await asyncio.to_thread(self.learner.publish_weights, self.version)
+        self.calls["engines"] += len(self.engines)
         await asyncio.gather(*(e.update_weights_from_disk.remote(ref.path, self.version)
                                for e in self.engines))
         self.last_weights = ref.path
@@ -222,9 +230,11 @@ class LearnerWorker:
         self.version += 1
         ref = await asyncio.to_thread(self.learner.publish_weights, self.version)
         publish_start = time.perf_counter()
+        self.calls["engines"] += len(self.engines)
         await asyncio.gather(*(e.update_weights_from_disk.remote(ref.path, self.version)
                                for e in self.engines))
         publish_s = time.perf_counter() - publish_start
+        self.calls["clock"] += 1
         await self.clock.set_version.remote(self.model_id, self.version)
         step_s = time.perf_counter() - start
         self.busy_s += step_s
@@ -247,6 +257,7 @@ class LearnerWorker:
         deadline = time.monotonic() + BUFFER_RESTART_S
         while True:
             try:
+                self.calls["buffer"] += 1
                 return await getattr(self.buffer, method).remote(*args)
             except ACTOR_GONE as exc:
                 if time.monotonic() > deadline:
@@ -294,13 +305,14 @@ class LearnerWorker:
             scalars[f"reward/{agent}/mean"] = float(np.mean(values))
         # train["tokens"] is the batch's response-token count (the loss mask's sum).
         scalars[f"behavior/{m}/response_len_mean"] = train["tokens"] / table.num_rows
-        stats = await self._buffer("stats")
+        stats = self.buffer_stats  # as the sample that fed this step left the buffer
         scalars.update({
             f"buffer/{m}/pending_rows": float(stats.pending_rows),
             f"buffer/{m}/ready_rows": float(stats.ready_rows),
             f"buffer/{m}/rows_trained": float(stats.rows_trained),
             **{f"buffer/{m}/dropped_{k}": float(n) for k, n in stats.dropped.items()},
         })
+        self.calls["metrics"] += 2  # the scalars and the histogram below
         self.metrics.scalars.remote(scalars, v)
         self.steps.append({
             "model": m, "version": v, "loss": round(float(train.get("loss", float("nan"))), 5),
@@ -339,6 +351,8 @@ class LearnerWorker:
                 "wait_s": self.wait_s, "elapsed_s": self.elapsed(),
                 "busy_fraction": self.busy_fraction(), "weights": self.last_weights,
                 "staleness_mean": self.staleness_sum / max(self.rows_trained, 1),
+                "actor_calls": dict(self.calls),
+                "actor_calls_per_step": sum(self.calls.values()) / max(self.version, 1),
                 "checkpoints": list(self.checkpoints), "buffer_retries": self.buffer_retries,
                 "history": list(self.history)}
 
