@@ -160,16 +160,21 @@ class RunControl:
                 log.info("learner %s steps not read this round: %s", model_id,
                          type(exc).__name__)
                 continue
-            round_s = None
-            if steps and self.pilot.is_auto(model_id):
-                round_s = ray.get(run.clock.round_seconds.remote(model_id),
-                                  timeout=CALL_TIMEOUT_S)
+            round_s, feed = None, bool(steps) and self.pilot.is_auto(model_id)
+            if feed:
+                try:
+                    round_s = ray.get(run.clock.round_seconds.remote(model_id),
+                                      timeout=CALL_TIMEOUT_S)
+                except ray.exceptions.GetTimeoutError:  # slow: these steps go unmeasured
+                    log.warning("auto staleness %s: the clock did not answer within %.0f s; "
+                                "%d step(s) not measured", model_id, CALL_TIMEOUT_S, len(steps))
+                    feed = False
             for step in steps:
                 if self.bus is not None:
                     self.bus.publish("step", step)
                 self._versions[model_id] = max(self._versions[model_id], step["version"])
                 changed = True
-                decision = self.pilot.observe(model_id, step, round_s)
+                decision = self.pilot.observe(model_id, step, round_s) if feed else None
                 if decision is not None:
                     self._apply_auto(model_id, step["version"], decision)
         if changed and self.bus is not None:
@@ -177,8 +182,14 @@ class RunControl:
 
     def _apply_auto(self, model_id: str, version: int, decision: Decision) -> None:
         """Set the η the pilot chose, and say so: log, events/staleness, TensorBoard."""
-        ray.get(self.run.clock.set_max_staleness.remote(model_id, decision.eta),
-                timeout=CALL_TIMEOUT_S)
+        try:
+            ray.get(self.run.clock.set_max_staleness.remote(model_id, decision.eta),
+                    timeout=CALL_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            # slow, not dead (a dead clock raises): the next window measures η as it is
+            log.warning("auto staleness %s: η %d not set, the clock did not answer within "
+                        "%.0f s", model_id, decision.eta, CALL_TIMEOUT_S)
+            return
         change = {"model": model_id, "version": version, "max_staleness": decision.eta,
                   "reason": decision.reason, "at": time.time()}
         self.staleness_changes.append(change)
