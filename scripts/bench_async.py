@@ -25,8 +25,9 @@ Tiny CPU run (~6 minutes on 2 cores):
 Default, 9 runs of 8 learner steps (measured: 18.7 min on a 2-core AMD EPYC with avx512_bf16,
 shared with other jobs at load average 3-14; each run prints its wall time):
     python scripts/bench_async.py
-Fixed η = 2 against auto, with the windows the pilot measured written out:
-    python scripts/bench_async.py --staleness auto --mixed-at --trace-out runs/bench/auto.json
+Fixed η = 2 against auto, with the windows the pilot measured written out (measured: 27 min):
+    python scripts/bench_async.py --staleness auto --mixed-at --steps 20 --sync-steps 8 \
+        --trace-out runs/bench/auto.json
 Cluster: the same command inside `ray job submit --working-dir . -- python scripts/...`.
 With `--staleness auto` the line before the last reads `busy at 3s coach vs instant: <ratio>`
 (the auto cell's busy fraction over the instant-coach run's); the last line reads
@@ -70,19 +71,23 @@ class Cell:
     latency_s: float  # the judge's server-side delay (or the RuleCoach's injected latency)
 
 
-def coach_overrides(coach: str, latency: float, judge: LoopbackJudge | None) -> list[str]:
+def coach_overrides(coach: str, latency: float, judge: LoopbackJudge | None,
+                    concurrency: int) -> list[str]:
+    """The coach at `latency`; at most `concurrency` scores in flight (pool and endpoint),
+    so it scores at most concurrency / latency rows a second."""
     if coach == "rule":
-        return [f"coach.latency_s={latency}"]
+        return [f"coach.latency_s={latency}", f"coach.max_concurrency={concurrency}"]
     assert judge is not None
     judge.set(delay_s=latency)
     return ["coach.kind=http", "coach.cache.enabled=false",
+            f"coach.max_concurrency={concurrency}",
             f"coach.endpoints=[{{name: loopback, base_url: '{judge.base_url}', model: judge, "
-            f"timeout_s: {latency + 30}, max_concurrency: 64}}]"]
+            f"timeout_s: {latency + 30}, max_concurrency: {concurrency}}}]"]
 
 
 def cell_config(cell: Cell, steps: int, runs_dir: str, coach: str,
-                judge: LoopbackJudge | None, cap: int) -> TroupeConfig:
-    overrides = BASE + coach_overrides(coach, cell.latency_s, judge) + [
+                judge: LoopbackJudge | None, cap: int, concurrency: int) -> TroupeConfig:
+    overrides = BASE + coach_overrides(coach, cell.latency_s, judge, concurrency) + [
         f"run.max_steps={steps}", f"run.runs_dir={runs_dir}",
         f"models.policy.learner.max_staleness={cell.eta}",
         f"models.policy.learner.staleness_cap={cap}",
@@ -126,6 +131,9 @@ def plan(latencies: list[float], mixed_at: list[float], auto: bool) -> list[Cell
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="learner steps per cell")
+    parser.add_argument("--sync-steps", type=int, default=None,
+                        help="learner steps of the sync cells (default: --steps); a rate needs "
+                             "fewer steps than an auto cell needs to settle")
     parser.add_argument("--latencies", type=float, nargs="+", default=[0.5, 3.0, 10.0],
                         help="coach latency (server-side delay of the judge), seconds")
     parser.add_argument("--mixed-at", type=float, nargs="*", default=[3.0],
@@ -135,6 +143,9 @@ def main() -> None:
     parser.add_argument("--staleness", choices=("fixed", "auto"), default="fixed",
                         help="auto: add a max_staleness=auto cell at each latency")
     parser.add_argument("--cap", type=int, default=8, help="staleness_cap of the auto cells")
+    parser.add_argument("--coach-concurrency", type=int, default=64,
+                        help="scores in flight at once (the coach's throughput is this over "
+                             "its latency)")
     parser.add_argument("--trace-out", default=None,
                         help="write the auto cells' measured windows (JSON) here")
     args = parser.parse_args()
@@ -149,7 +160,9 @@ def main() -> None:
     results, started = {}, time.perf_counter()
     try:
         for cell in cells:
-            cfg = cell_config(cell, args.steps, args.runs_dir, args.coach, judge, args.cap)
+            steps = args.sync_steps if cell.name == "sync" and args.sync_steps else args.steps
+            cfg = cell_config(cell, steps, args.runs_dir, args.coach, judge, args.cap,
+                              args.coach_concurrency)
             results[cell] = r = measure(cfg)
             r["config"] = (cfg.models["policy"].learner.max_staleness, cfg.rollout.sync_coach)
             print(f"{cell.name:<10} coach {cell.latency_s:>4.1f}s  rows/s {r['rows_per_s']:8.2f}  "
@@ -170,7 +183,8 @@ def main() -> None:
 
 def report(cells: list[Cell], results: dict, args, wall_s: float) -> None:
     instant = results[cells[0]]
-    print(f"\n{len(cells)} runs of {args.steps} learner steps ({args.coach} coach) in "
+    sync_steps = f" ({args.sync_steps} for sync)" if args.sync_steps else ""
+    print(f"\n{len(cells)} runs of {args.steps} learner steps{sync_steps} ({args.coach} coach) in "
           f"{wall_s / 60:.1f} min; busy/instant = learner busy over the instant-coach run's")
     print(f"{'cell':<10} {'coach':>6} {'max_staleness':>13} {'sync_coach':>10} "
           f"{'dtype engine/learner':>21} "

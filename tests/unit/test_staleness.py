@@ -5,6 +5,7 @@ arrive at (η + 1) · B / W units a second, capped by what the rollout side can 
 (`capacity`, units a second); the learner needs B units a step of S seconds and waits for the
 rest. Its windows are the traces the controller reads.
 """
+import json
 import math
 import sys
 from pathlib import Path
@@ -196,3 +197,33 @@ def test_set_staleness_auto_on_the_bus_and_from_ctl(tmp_path):
     bad = payload.replace(b'"auto"', b'"smart"')
     with pytest.raises(BadMessage, match="choose one of \\['fixed', 'auto'\\]"):
         parse_control(f"troupe/run-1/control/{topic}", bad, "run-1")
+
+
+# ---------------------------------------------------------------- recorded traces
+# The windows the pilot measured in `bench_async.py --staleness auto` runs (tiny model, HTTP
+# judge with a 0.5 / 3 / 10 s server-side delay, cap 8): each holds the window's mean step and
+# wait, the unit latency, the η in force and the η the pilot chose (None: kept).
+TRACES = json.loads((Path(__file__).parent / "data" / "auto_staleness_traces.json").read_text())
+
+
+@pytest.mark.parametrize("latency", sorted(TRACES, key=float))
+def test_recorded_windows_get_the_same_decisions_again(latency):
+    """Replaying a real run's windows through a fresh controller gives the η it chose then."""
+    auto = AutoStaleness(cap=8, target_wait=0.1)
+    for window in TRACES[latency]:
+        sample = RateSample(window["step_s"], window["wait_s"], window["unit_latency_s"],
+                            window["eta"])
+        decision = auto.update(sample)
+        assert (None if decision is None else decision.eta) == window["decision"], window
+
+
+def test_recorded_traces_raise_eta_with_the_coach_latency():
+    """The first window of each recorded run: the slower the coach, the larger the η the
+    model asks for, and a 10 s coach raises η at once."""
+    first = {float(k): v[0] for k, v in TRACES.items()}
+    model = {k: AutoStaleness(cap=8).model_eta(RateSample(w["step_s"], w["wait_s"],
+                                                          w["unit_latency_s"], w["eta"]))
+             for k, w in first.items()}
+    latencies = sorted(model)
+    assert [model[k] for k in latencies] == sorted(model[k] for k in latencies)
+    assert first[10.0]["decision"] is not None and first[10.0]["decision"] >= 3
