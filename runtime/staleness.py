@@ -132,9 +132,11 @@ class StalenessPilot:
     """Runs `AutoStaleness` for the models whose `max_staleness` is "auto", from the learner
     step records the driver already reads (runtime/learner_worker.py `steps_since`).
 
-    A window is `staleness_window_steps` consecutive steps taken under one η; the first step
-    of a run (engines warming, the first round's full latency) and the first step after a
-    change (its batch was admitted under the old η) start no window. A unit's latency W is the
+    A window is `staleness_window_steps` consecutive steps taken under one η. The first step
+    of a run (engines warming, the first round's full latency) starts none; after a change,
+    neither do the steps sampled before the clock had it (the driver reads steps about once a
+    second, and a small model steps faster) nor the first step under it (its units were
+    admitted under the old η). A unit's latency W is the
     clock's mean round time from admission to generated (buffers/clock.py `round_seconds`)
     plus the mean wait of the window's units from their last row to READY (the coach): an
     upper bound, since a unit's rows may be generated before its round ends.
@@ -150,6 +152,7 @@ class StalenessPilot:
         self.controllers: dict[str, AutoStaleness] = {}
         self._window: dict[str, list[dict]] = {}
         self._skip_next: set[str] = set()
+        self._expect: dict[str, int] = {}  # model -> the η a decision set, until a step shows it
         # every window measured: model, version, the RateSample's fields, the η chosen (or
         # None: kept) -- the run summary keeps them, and unit tests replay recorded ones
         self.windows: list[dict] = []
@@ -164,12 +167,14 @@ class StalenessPilot:
         self.controllers[model_id] = AutoStaleness(cap=cap, target_wait=cfg.staleness_target_wait,
                                                     floor=0)
         self._window[model_id] = []
+        self._expect.pop(model_id, None)
         self._skip_next.add(model_id)
 
     def disable(self, model_id: str) -> None:
         """A fixed η was set by hand: stop choosing for `model_id`."""
         self.controllers.pop(model_id, None)
         self._window.pop(model_id, None)
+        self._expect.pop(model_id, None)
         self._skip_next.discard(model_id)
 
     def is_auto(self, model_id: str) -> bool:
@@ -185,6 +190,11 @@ class StalenessPilot:
         if controller is None:
             return None
         window = self._window[model_id]
+        expected = self._expect.get(model_id)
+        if expected is not None and step["max_staleness"] != expected:
+            window.clear()  # sampled before the change reached the clock (fast steps)
+            return None
+        self._expect.pop(model_id, None)
         if step["version"] <= 1 or model_id in self._skip_next:
             self._skip_next.discard(model_id)
             window.clear()
@@ -206,5 +216,8 @@ class StalenessPilot:
                              **dataclasses.asdict(sample),
                              "decision": None if decision is None else decision.eta})
         if decision is not None:
+            # steps sampled before the clock has the new η, and the first one under it (its
+            # units were admitted under the old η), start no window
+            self._expect[model_id] = decision.eta
             self._skip_next.add(model_id)
         return decision

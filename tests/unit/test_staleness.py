@@ -227,3 +227,19 @@ def test_recorded_traces_raise_eta_with_the_coach_latency():
     latencies = sorted(model)
     assert [model[k] for k in latencies] == sorted(model[k] for k in latencies)
     assert first[10.0]["decision"] is not None and first[10.0]["decision"] >= 3
+
+
+def test_steps_sampled_before_a_change_reached_the_clock_start_no_window():
+    """Steps come in bursts (the driver reads them about once a second): after the pilot
+    raised η 1 -> 3 at v3, steps v4-v6 still sampled under η 1 and must not be measured as
+    if η 3 had been in force (their waits would trigger a second, needless raise)."""
+    pilot = StalenessPilot({"policy": learner()})
+    for version in (1, 2):
+        pilot.observe("policy", step(version, 1), 1.0)
+    assert pilot.observe("policy", step(3, 1), 1.0).eta == 3
+    for version in (4, 5, 6):  # still η 1 at sampling: ignored however long they waited
+        assert pilot.observe("policy", step(version, 1), 1.0) is None
+    assert pilot.observe("policy", step(7, 3, wait_s=0.1), 1.0) is None  # first under η 3
+    assert pilot.observe("policy", step(8, 3, wait_s=0.1), 1.0) is None
+    assert pilot.observe("policy", step(9, 3, wait_s=0.1), 1.0) is None  # a window: steady
+    assert [w["version"] for w in pilot.windows] == [3, 9]
