@@ -17,30 +17,18 @@ returning None) no raise comes within the limit.
 """
 from __future__ import annotations
 
-import threading
-
 import ray
 
-from runtime.config import load_config
-from runtime.controller import Run
-from test_live_control import ROOT, Collector, _capture, ctl, wait_for
+from test_live_control import ctl, operated_run, wait_for
 
 LIMIT_S = 300.0  # a loaded 2-core machine; a pilot that never acts does not get there either
 
 
 def test_auto_staleness_raises_eta_under_a_slow_coach_and_yields_to_the_operator(tmp_path):
-    cfg = load_config(ROOT / "configs" / "arith_duo_tiny.yaml", [
-        f"run.runs_dir={tmp_path}", "run.run_id=auto", "run.max_steps=1000",
-        "run.checkpoint_every=0", "coach.latency_s=4.0",
-        "models.policy.learner.max_staleness=auto", "models.policy.learner.staleness_cap=4"])
-    run = Run(cfg)
-    failure: list[BaseException] = []
-    collector = None
-    try:
-        run.start()
-        collector = Collector(run.bus.endpoint, run.run_id)
-        supervisor = threading.Thread(target=lambda: _capture(run.wait, failure), daemon=True)
-        supervisor.start()
+    with operated_run("auto", tmp_path, "coach.latency_s=4.0",
+                      "models.policy.learner.max_staleness=auto",
+                      "models.policy.learner.staleness_cap=4") as operated:
+        run, collector = operated.run, operated.collector
         learner = run.learners["policy"]
 
         raised = wait_for("an auto raise of η", lambda: [
@@ -68,15 +56,8 @@ def test_auto_staleness_raises_eta_under_a_slow_coach_and_yields_to_the_operator
             "staleness")[changes_at_override:], limit_s=LIMIT_S)[0]
         assert again["reason"].startswith("raise 0 -> ") and 0 < again["max_staleness"] <= 2
 
-        assert ctl(run, "stop", "--reason", "test over").returncode == 0
-        supervisor.join(LIMIT_S)
-        assert not supervisor.is_alive(), "the run did not stop"
-        assert not failure, failure
+        operated.stop()
         summary = run.finish()
-    finally:
-        if collector is not None:
-            collector.close()
-        run.shutdown()
 
     assert summary["rows"]["unaccounted"] == 0, summary["rows"]
     assert [c["max_staleness"] for c in summary["control"]["staleness_changes"]] == \

@@ -16,6 +16,7 @@ controller's counters:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import subprocess
@@ -112,19 +113,47 @@ def fuzz_cases(run_id: str, n: int, rng: random.Random) -> list[tuple[str, bytes
     return [(topic, payload.encode()) for topic, payload in cases]
 
 
-def test_a_run_obeys_its_operator(tmp_path):
-    cfg = load_config(ROOT / "configs" / "arith_duo_tiny.yaml", [
-        f"run.runs_dir={tmp_path}", "run.run_id=live", "run.max_steps=1000",
-        "run.checkpoint_every=0", "coach.latency_s=0.2", "rollout.max_actors=3",
-        "run.drain_timeout_s=60"])
-    run = Run(cfg)
-    failure: list[BaseException] = []
-    collector = None
+class OperatedRun:
+    """A started run supervised on a thread, with the test's own event subscriber."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.collector = Collector(run.bus.endpoint, run.run_id)
+        self.failure: list[BaseException] = []
+        self.supervisor = threading.Thread(target=lambda: _capture(run.wait, self.failure),
+                                           daemon=True)
+        self.supervisor.start()
+
+    def stop(self) -> None:
+        """`ctl.py stop`, then the supervision must end without a failure."""
+        assert ctl(self.run, "stop", "--reason", "test over").returncode == 0
+        self.supervisor.join(LIMIT_S)
+        assert not self.supervisor.is_alive(), "the run did not stop"
+        assert not self.failure, self.failure
+
+
+@contextlib.contextmanager
+def operated_run(run_id: str, tmp_path: Path, *overrides: str):
+    """arith_duo_tiny under `overrides`, started and operated (see OperatedRun); shut down
+    on the way out, whatever happened."""
+    run = Run(load_config(ROOT / "configs" / "arith_duo_tiny.yaml", [
+        f"run.runs_dir={tmp_path}", f"run.run_id={run_id}", "run.max_steps=1000",
+        "run.checkpoint_every=0", *overrides]))
+    operated = None
     try:
         run.start()
-        collector = Collector(run.bus.endpoint, run.run_id)
-        supervisor = threading.Thread(target=lambda: _capture(run.wait, failure), daemon=True)
-        supervisor.start()
+        operated = OperatedRun(run)
+        yield operated
+    finally:
+        if operated is not None:
+            operated.collector.close()
+        run.shutdown()
+
+
+def test_a_run_obeys_its_operator(tmp_path):
+    with operated_run("live", tmp_path, "coach.latency_s=0.2", "rollout.max_actors=3",
+                      "run.drain_timeout_s=60") as operated:
+        run, collector = operated.run, operated.collector
         learner = run.learners["policy"]
         wait_for("two learner steps", lambda: ray.get(learner.progress.remote())["version"] >= 2)
 
@@ -167,18 +196,11 @@ def test_a_run_obeys_its_operator(tmp_path):
         assert refused.returncode == 1 and "ghost" in refused.stdout + refused.stderr
 
         steps_before_stop = ray.get(learner.progress.remote())["version"]
-        assert ctl(run, "stop", "--reason", "test over").returncode == 0
-        supervisor.join(LIMIT_S)
-        assert not supervisor.is_alive(), "the run did not stop"
-        assert not failure, failure
+        operated.stop()
         steps = ray.get(learner.steps_since.remote(0))
         summary = run.finish()
         wait_for("the final status", lambda: any(
             s["state"] == "finished" for s in collector.of("status")), limit_s=30)
-    finally:
-        if collector is not None:
-            collector.close()
-        run.shutdown()
 
     # η: every step sampled after the change trained only rows of its own version
     after = [s for s in steps if s["version"] > changed_at + 1]
