@@ -65,7 +65,7 @@ class VersionClock:
         self._closed = False  # every owner's books closed (end of run): nothing is admitted
         self._changed: asyncio.Event | None = None  # created by the first waiter, in its loop
         # model_id -> seconds from admission to `generated` of recent rounds producing its units
-        self._round_s: dict[str, deque[float]] = {}
+        self._round_s = {m: deque(maxlen=ROUND_TIMES_KEPT) for m in models}
         for model_id, (batch_units, max_staleness) in models.items():
             if batch_units < 1:
                 raise ValueError(f"model {model_id!r}: batch_units={batch_units} must be >= 1")
@@ -146,7 +146,7 @@ class VersionClock:
         played_s = time.monotonic() - entry.opened_at
         for model_id, admitted in entry.units.items():
             if admitted:
-                self._round_s.setdefault(model_id, deque(maxlen=ROUND_TIMES_KEPT)).append(played_s)
+                self._round_s[model_id].append(played_s)
         if units is not None:
             over = {m: (n, entry.units.get(m, 0)) for m, n in units.items()
                     if n > entry.units.get(m, 0)}
@@ -244,8 +244,8 @@ class VersionClock:
     def round_seconds(self, model_id: str) -> float | None:
         """Mean seconds from admission to `generated` of the last rounds that produced units
         of `model_id` (generation, tools, inline rewards); None before the first one."""
-        self._get(model_id)
-        times = self._round_s.get(model_id)
+        self._get(model_id)  # an unknown model is a KeyError naming the known ones
+        times = self._round_s[model_id]
         return sum(times) / len(times) if times else None
 
     def max_staleness(self, model_id: str) -> int:

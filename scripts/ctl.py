@@ -56,20 +56,22 @@ def find_run(spec: str, runs_dir: Path) -> Path:
     return found[-1].parent
 
 
-def connect_info(args: argparse.Namespace) -> tuple[BusEndpoint, str]:
-    """The broker endpoint and run id the arguments name."""
+def connect_info(args: argparse.Namespace) -> tuple[BusEndpoint, str, Path | None]:
+    """The broker endpoint, run id and run directory (None with --url) the arguments name;
+    `--run latest` is resolved here once, so every later read is of the same run."""
     cfg = BusConfig(url=args.url, username_env=args.username_env, password_env=args.password_env)
     if args.url is not None:
         if not args.run_id:
             raise CtlError("--url needs --run-id: an external broker serves many runs")
-        return endpoint_for(cfg, Path(".")), check_run_id(args.run_id)
+        return endpoint_for(cfg, Path(".")), check_run_id(args.run_id), None
     run_dir = find_run(args.run, Path(args.runs_dir))
     endpoint = endpoint_for(cfg, run_dir)
     run_id = args.run_id or json.loads((run_dir / "bus.json").read_text())["run_id"]
-    return endpoint, check_run_id(run_id)
+    return endpoint, check_run_id(run_id), run_dir
 
 
-def staleness_command(args: argparse.Namespace, run_id: str, request_id: str) -> SetStaleness:
+def staleness_command(args: argparse.Namespace, run_id: str, request_id: str,
+                      run_dir: Path | None) -> SetStaleness:
     """A fixed η, or "auto" with its cap: --cap, else the run's configured staleness_cap."""
     if args.max_staleness != "auto":
         if not args.max_staleness.isdigit():
@@ -81,9 +83,9 @@ def staleness_command(args: argparse.Namespace, run_id: str, request_id: str) ->
                             max_staleness=int(args.max_staleness), request_id=request_id)
     cap = args.cap
     if cap is None:
-        if args.url is not None:
+        if run_dir is None:
             raise CtlError("set-staleness MODEL auto with --url needs --cap N (the largest η)")
-        config = find_run(args.run, Path(args.runs_dir)) / "config.yaml"
+        config = run_dir / "config.yaml"
         learner = yaml.safe_load(config.read_text())["models"].get(args.model)
         if learner is None:
             raise CtlError(f"model {args.model!r} is not in {config}")
@@ -92,10 +94,11 @@ def staleness_command(args: argparse.Namespace, run_id: str, request_id: str) ->
                         request_id=request_id, mode="auto")
 
 
-def build_command(args: argparse.Namespace, run_id: str) -> Command:
+def build_command(args: argparse.Namespace, run_id: str, run_dir: Path | None = None) -> Command:
+    """The command the arguments name; `run_dir` (None with --url) holds the run's config."""
     request_id = secrets.token_hex(6)
     if args.verb == "set-staleness":
-        return staleness_command(args, run_id, request_id)
+        return staleness_command(args, run_id, request_id, run_dir)
     if args.verb == "scale-rollout":
         return ScaleRollout(run_id=run_id, actors=args.actors, request_id=request_id)
     if args.verb == "stop":
@@ -258,12 +261,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        endpoint, run_id = connect_info(args)
+        endpoint, run_id, run_dir = connect_info(args)
         if args.verb == "status":
             return asyncio.run(status(endpoint, run_id, args.timeout))
         if args.verb == "watch":
             return asyncio.run(watch(endpoint, run_id))
-        command = build_command(args, run_id)
+        command = build_command(args, run_id, run_dir)
         return asyncio.run(send(endpoint, run_id, command, args.timeout))
     except (CtlError, BusConfigError, BadMessage) as err:
         print(f"ctl: {err}", file=sys.stderr)

@@ -182,18 +182,18 @@ def test_set_staleness_auto_on_the_bus_and_from_ctl(tmp_path):
     (run_dir / "config.yaml").write_text("models:\n  policy:\n    learner:\n"
                                          "      staleness_cap: 5\n")
     args = ctl.parse_args(["--run", str(run_dir), "set-staleness", "policy", "auto"])
-    command = ctl.build_command(args, "run-1")
+    command = ctl.build_command(args, "run-1", run_dir)
     assert (command.mode, command.max_staleness) == ("auto", 5)
     topic, payload = encode_command(command)
     assert parse_control(f"troupe/run-1/control/{topic}", payload, "run-1") == command
     args = ctl.parse_args(["--run", str(run_dir), "set-staleness", "policy", "auto", "--cap", "3"])
-    assert ctl.build_command(args, "run-1").max_staleness == 3
+    assert ctl.build_command(args, "run-1", run_dir).max_staleness == 3
     fixed = ctl.build_command(ctl.parse_args(["--run", str(run_dir), "set-staleness", "policy",
-                                              "2"]), "run-1")
+                                              "2"]), "run-1", run_dir)
     assert (fixed.mode, fixed.max_staleness) == ("fixed", 2)
     with pytest.raises(ctl.CtlError, match="give an integer η >= 0, or auto"):
         ctl.build_command(ctl.parse_args(["--run", str(run_dir), "set-staleness", "policy",
-                                          "often"]), "run-1")
+                                          "often"]), "run-1", run_dir)
     bad = payload.replace(b'"auto"', b'"smart"')
     with pytest.raises(BadMessage, match="choose one of \\['fixed', 'auto'\\]"):
         parse_control(f"troupe/run-1/control/{topic}", bad, "run-1")
