@@ -357,7 +357,7 @@ class Run:
             "perf/admission_waits": float(sum(s["admission_waits"] for s in now.rollouts)),
         }
         for name, stats in now.engines.items():
-            for key in ("restarts", "busy_probes", "last_progress_age_s"):
+            for key in ("restarts", "busy_probes", "port_moves", "last_progress_age_s"):
                 scalars[f"perf/engines/{name}/{key}"] = float(stats[key])
         self.metrics.scalars.remote(scalars)
         self.control.publish_status(now, rate)

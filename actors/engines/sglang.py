@@ -120,6 +120,15 @@ class EngineConfig:
                              "; use >= 0 (0 = never restart)")
 
 
+# What the server's HTTP front (uvicorn) logs when its port is taken, before it exits.
+_BIND_FAILED = "address already in use"
+_PORT_ATTEMPTS = 3  # starts in a row, each on a fresh port, before a taken port is an error
+
+
+class _PortTaken(RuntimeError):
+    """The server exited during startup because another process held its port."""
+
+
 def _port_is_free(port: int) -> bool:
     """Whether `port` can be bound on loopback (SO_REUSEADDR, as the server binds it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -185,6 +194,7 @@ class SGLangEngine:
         # flush then (flushed later): cached prefixes of the old weights may serve a while
         self.unflushed_updates = 0
         self.startup_seconds: float | None = None  # duration of the last successful start
+        self.port_moves = 0  # starts that found their port taken and moved to another
         self._port: int | None = None
         self._proc: subprocess.Popen | None = None
         self._finalizer: weakref.finalize | None = None
@@ -226,6 +236,24 @@ class SGLangEngine:
             raise RuntimeError(f"engine {self.model_id} already running at {self.url}")
         if self._port is None:
             self._port = free_port()
+        for attempt in range(1, _PORT_ATTEMPTS + 1):
+            try:
+                return self._launch()
+            except _PortTaken as taken:
+                if attempt == _PORT_ATTEMPTS:
+                    raise RuntimeError(
+                        f"engine {self.model_id}: {_PORT_ATTEMPTS} ports in a row were taken "
+                        f"by another process before the server bound them (last "
+                        f"{self._port}); log tail ({self.log_path}):\n{taken}") from None
+                old, self._port = self._port, free_port()
+                self.port_moves += 1
+                log.warning("engine %s: port %d was taken before the server bound it; "
+                            "starting again on port %d (move %d)", self.model_id, old,
+                            self._port, self.port_moves)
+        raise AssertionError("unreachable")
+
+    def _launch(self) -> str:
+        """Start the server process on `self._port` and wait until it answers."""
         args = self._server_args()
         shown = "python -m sglang.launch_server " + " ".join(args)
         if sys.platform == "linux":
@@ -237,6 +265,7 @@ class SGLangEngine:
         with open(self.log_path, "ab") as log_file:
             log_file.write(f"\n==== start {time.strftime('%F %T')} {shown}\n".encode())
             log_file.flush()
+            log_from = log_file.tell()
             self._proc = subprocess.Popen(
                 cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                 stdin=subprocess.DEVNULL, start_new_session=True,
@@ -244,7 +273,7 @@ class SGLangEngine:
         # Runs on stop(), garbage collection or interpreter exit, whichever comes first.
         self._finalizer = weakref.finalize(self, _kill_process_group, self._proc)
         started = time.perf_counter()
-        self._wait_healthy()
+        self._wait_healthy(log_from)
         self.startup_seconds = time.perf_counter() - started
         self._progress.answered(self.pid)
         log.info("%s ready at %s in %.1f s", self.model_id, self.url, self.startup_seconds)
@@ -293,7 +322,7 @@ class SGLangEngine:
     def stats(self) -> dict:
         """Supervision counters for the run summary and TensorBoard (all numbers)."""
         return {"restarts": self.restarts, "restarts_last_hour": self._restart_budget.recent(),
-                "busy_probes": self.busy_probes, "unflushed_updates": self.unflushed_updates,
+                "busy_probes": self.busy_probes, "port_moves": self.port_moves, "unflushed_updates": self.unflushed_updates,
                 "last_progress_age_s": time.monotonic() - self._progress.last_progress,
                 "weight_version": self.weight_version,
                 "pid": self.pid or 0}  # the server's process group (0 when stopped)
@@ -477,13 +506,19 @@ class SGLangEngine:
         return None if response.status_code == 200 else (
             f"health probe answered HTTP {response.status_code}")
 
-    def _wait_healthy(self) -> None:
-        """Poll `/health` until 200; on exit or timeout, kill and raise with the log tail."""
+    def _wait_healthy(self, log_from: int = 0) -> None:
+        """Poll `/health` until 200; on exit or timeout, kill and raise with the log tail.
+
+        An exit whose log (from byte `log_from`, this start's output) says the port was
+        taken raises `_PortTaken`, which `_start` answers with a new port.
+        """
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         while time.monotonic() < deadline:
             code = self._proc.poll()
             if code is not None:
                 self.stop()
+                if _BIND_FAILED in self._log_since(log_from):
+                    raise _PortTaken(self.log_tail())
                 raise RuntimeError(
                     f"engine {self.model_id} exited with code {code} during startup; "
                     f"log tail ({self.log_path}):\n{self.log_tail()}"
@@ -511,6 +546,15 @@ class SGLangEngine:
                 return False
             time.sleep(0.5)
         return True
+
+    def _log_since(self, offset: int) -> str:
+        """The server log from byte `offset` on (one start's output)."""
+        try:
+            with open(self.log_path, "rb") as file:
+                file.seek(offset)
+                return file.read().decode(errors="replace")
+        except OSError as err:
+            return f"<log unreadable: {err}>"
 
     def log_tail(self, chars: int = _LOG_TAIL_CHARS) -> str:
         """Last `chars` characters of the server log (for error messages)."""

@@ -9,11 +9,15 @@ Known blind spot: a server spinning in a busy loop without serving looks busy.
 
 `free_port` is the one place a loopback port is picked for a server to bind (engines, the
 loopback coach, torch.distributed's rendezvous); it imports nothing beyond the standard
-library, so learners and tests use it too.
+library, so learners and tests use it too. It picks below the kernel's ephemeral range:
+a port the OS hands out for `bind(0)` is one it also hands to outgoing connections, and an
+SGLang server binds its port some 10-30 s after we pick it, long enough on a busy machine
+for a Ray worker's connection to take it (a CI run lost a test to exactly that).
 """
 from __future__ import annotations
 
 import os
+import random
 import socket
 import threading
 import time
@@ -30,8 +34,43 @@ MIN_SAMPLE_S = 1.0
 RESTART_WINDOW_S = 3600.0  # RestartBudget counts restarts this far back
 
 
-def free_port() -> int:
-    """A loopback port nobody listens on right now (the OS picks it)."""
+# Ray's workers listen on 10002-19999 by default; below that are well-known services.
+_PORTS_FROM = 20000
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+# Not the `random` module's state: processes seeded alike would pick the same ports.
+_PORT_RNG = random.SystemRandom()
+
+
+def _ephemeral_low(default: int = 32768) -> int:
+    """First port of the kernel's range for outgoing connections (Linux; else the default)."""
+    try:
+        with open(_EPHEMERAL_RANGE) as file:
+            return int(file.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(tries: int = 64) -> int:
+    """A loopback port nobody listens on right now, outside the ephemeral range.
+
+    Random in [20000, ephemeral low); the OS's own pick when that range is too narrow
+    (under 1000 ports) or `tries` random ports were all taken.
+    """
+    low = _ephemeral_low()
+    if low - _PORTS_FROM >= 1000:
+        for _ in range(tries):
+            port = _PORT_RNG.randrange(_PORTS_FROM, low)
+            if _bindable(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -284,3 +285,40 @@ def _leader_state(pid: int) -> bytes:
     return stat[stat.rindex(b")") + 2:][:1]
 
 
+
+
+def test_free_port_picks_outside_the_ephemeral_range():
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as file:
+        low = int(file.read().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(20000 <= port < low for port in ports), (ports, low)
+    assert len(ports) > 1  # drawn at random, not one fixed port
+
+
+def test_a_port_taken_during_startup_moves_the_server_to_another(tiny_model_path, tmp_path):
+    """The CI fault: the port was free when picked and taken before the server bound it."""
+    engine = SGLangEngine("moved", tiny_model_path,
+                          EngineConfig(max_total_tokens=4096, startup_timeout_s=300), tmp_path)
+    engine._port = taken = free_port()
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+
+    def take_port_once_launched() -> None:
+        while engine._proc is None:  # the server loads for >= 10 s before it binds
+            time.sleep(0.01)
+        holder.bind(("127.0.0.1", taken))
+        holder.listen()
+    thief = threading.Thread(target=take_port_once_launched, daemon=True)
+    thief.start()
+    try:
+        url = engine.start()
+        thief.join(timeout=5)
+        log_text = engine.log_path.read_text(errors="replace")
+        # Counted from the log, not from the engine: two starts, one refused bind.
+        assert log_text.count("==== start ") == 2
+        assert log_text.count("address already in use") == 1
+        assert engine.port_moves == 1 and engine.stats()["port_moves"] == 1
+        assert not url.endswith(f":{taken}")
+        assert generate_once(url)["meta_info"]["completion_tokens"] >= 1
+    finally:
+        holder.close()
+        engine.close()
