@@ -5,19 +5,23 @@ Run: python -m pytest tests/integration/test_engine.py -s   (-s prints measured 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import os
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import httpx
 
 import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from actors.engines.client import EngineClient, EngineError, Generation
+from actors.engines.client import EngineClient, EngineError, Generation, _parse_output
 from actors.engines.sglang import SGLangEngine
 from weights_helper import save_perturbed_copy
 
@@ -246,3 +250,65 @@ def test_idle_server_does_not_spin(tiny_engine: SGLangEngine):
     used = _group_cpu_seconds(tiny_engine.pid) - before
     print(f"\nidle server: {used:.1f} CPU seconds in 10 s")
     assert used < 3.0
+
+
+# 4 requests of 800 tokens decode together for seconds on the tiny model (the session server's
+# 4096 KV slots hold all four): an update lands mid-way.
+LONG_REQUESTS, LONG_TOKENS = 4, 800
+
+
+def _long_batch(url: str) -> list[dict]:
+    """LONG_REQUESTS requests of exactly LONG_TOKENS new tokens in one /generate call."""
+    response = httpx.post(f"{url}/generate", timeout=600, json={
+        "input_ids": [[3, 10, 20, 30, 40 + i] for i in range(LONG_REQUESTS)],
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": LONG_TOKENS, "ignore_eos": True},
+    })
+    response.raise_for_status()
+    return response.json()
+
+
+@pytest.mark.parametrize("mode", ["continue", "drain"])
+def test_a_weight_update_never_aborts_requests_in_flight(tiny_engine: SGLangEngine,
+                                                         tiny_model_path, tmp_path, mode):
+    """"continue": requests in flight go on with the new weights and their token_versions
+    switch once, old -> new. "drain": the update waits for them; they keep the old version."""
+    old = tiny_engine.weight_version
+    new = old + 1
+    path = save_perturbed_copy(tiny_engine.weights_path, tiny_model_path, tmp_path / f"v{new}",
+                               seed=3)
+    original = tiny_engine.cfg
+    tiny_engine.cfg = dataclasses.replace(original, weight_update=mode)
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            running = pool.submit(_long_batch, tiny_engine.url)
+            time.sleep(0.3)
+            # Scheduled after the batch (first come, first served): once this one token is
+            # back, the batch is decoding; a second more and all of it is.
+            generate(tiny_engine.url, [3, 7, 9], n=1, max_new_tokens=1)
+            time.sleep(1.0)
+            assert not running.done(), "the long batch ended before the update: lengthen it"
+            answer = tiny_engine.update_weights_from_disk(path, new)
+            still_running = not running.done()
+            outputs = running.result()
+    finally:
+        tiny_engine.cfg = original
+    assert answer["success"], answer
+    gens = [_parse_output(output) for output in outputs]
+    # None was aborted: each ran to its length cap.
+    assert ([(g.finish_reason, len(g.response_ids)) for g in gens]
+            == [("length", LONG_TOKENS)] * LONG_REQUESTS)
+    switches = [np.flatnonzero(np.diff(g.versions)) for g in gens]
+    print(f"\n{mode}: update took {answer['update_s']:.2f} s; switch at tokens "
+          f"{[int(s[0]) + 1 if len(s) else None for s in switches]}")
+    if mode == "continue":
+        assert still_running  # the update did not wait for the batch
+        for gen, switch in zip(gens, switches):  # tokens before the update are old ones
+            assert len(switch) == 1 and gen.versions[0] == old and gen.versions[-1] == new
+            assert gen.behavior_version == old and 0 < switch[0] + 1 < LONG_TOKENS
+    else:
+        assert not still_running  # the update waited for the whole batch
+        assert all(np.all(g.versions == old) for g in gens)
+    assert tiny_engine.weight_version == new
+    [after] = generate(tiny_engine.url, [3, 7, 9], n=1, max_new_tokens=4)
+    assert np.all(after.versions == new)  # not left paused, and serving the new version
