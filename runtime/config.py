@@ -54,6 +54,12 @@ class RunConfig:
     max_wall_s: float = 0.0  # stop after this many seconds as well (0: no limit)
     # stop with a diagnosis (the stuck stage) when no learner step came for this long; 0 = off
     stall_timeout_s: float = 900.0
+    # a supervision call (an actor's stats, an engine's health check) unanswered this long is
+    # slow: counted per actor, warned about, and the actor's last answer used for the round
+    call_timeout_s: float = 10.0
+    # a call still unanswered after this long stops the run naming the actor (slow is not
+    # dead, but hung is a failure); an engine's health check also gets its restart time
+    unanswered_timeout_s: float = 300.0
     ray_address: str = ""  # "" joins the cluster of a submitted job, else starts a local Ray
     num_cpus: int = 2  # CPUs of a locally started Ray instance
     learner_cpus: float = 0.5  # Ray CPUs reserved per learner actor
@@ -78,6 +84,13 @@ class RunConfig:
         if self.stall_timeout_s < 0:
             raise ConfigError(f"run.stall_timeout_s={self.stall_timeout_s}: use seconds >= 0 "
                               "(0 turns the stall watchdog off)")
+        if self.call_timeout_s <= 0:
+            raise ConfigError(f"run.call_timeout_s={self.call_timeout_s}: use seconds > 0 (how "
+                              "long a supervision round waits for an actor's answer)")
+        if self.unanswered_timeout_s <= self.call_timeout_s:
+            raise ConfigError(f"run.unanswered_timeout_s={self.unanswered_timeout_s}: must exceed "
+                              f"run.call_timeout_s={self.call_timeout_s} (a call is slow first, "
+                              "hung only later); use minutes, e.g. 300")
         if self.keep_weights < 1:
             raise ConfigError(f"run.keep_weights={self.keep_weights}: must be >= 1 "
                               "(engines load the newest version from disk)")

@@ -8,7 +8,9 @@ stateless) within `run.actor_restarts_per_hour`, its open rounds reconciled with
 commands from the bus are applied between supervision rounds (runtime/control.py), and every
 learner step, version and status goes out as an event; engines are probed and restarted when dead (slow is not
 dead: actors/engines/sglang.py); no learner step for `run.stall_timeout_s` stops the run
-naming the stuck stage (runtime/stall.py). When every learner reached `run.max_steps` it
+naming the stuck stage (runtime/stall.py). Every call to an actor has a timeout: a slow
+part is counted and its last answer kept, a hung one stops the run (runtime/supervise.py).
+When every learner reached `run.max_steps` it
 stops the rollouts, drains the buffers and writes `summary.json` with the row accounting:
 the ledger's generated rows (counted before shipping, buffers/ledger.py) must equal the
 buffers' trained + dropped rows plus the ledger's lost rows.
@@ -16,6 +18,7 @@ buffers' trained + dropped rows plus the ledger's lost rows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -45,6 +48,9 @@ from runtime.rollout_host import BufferCommit, RayRolloutPorts, RolloutHost, Rol
 from runtime.resume import (ResumePlan, leave_resume_files, plan_resume, resend_coach_requests,
                             restore_parts)
 from runtime.stall import Snapshot, diagnose
+from runtime.supervise import (ENGINE_STOP_TIMEOUT_S, LEARNER_STOP_TIMEOUT_S, READY_TIMEOUT_S,
+                               SETUP_TIMEOUT_S, Answers, Calls, Poller, SlowCalls,
+                               engine_restart_s, get_within)
 
 log = logging.getLogger("troupe")
 
@@ -106,6 +112,8 @@ class Run:
         self.owners: dict[int, str] = {}
         self.crashed_units: dict[str, int] = {}  # admitted units lost with crashed actors
         self.stall_base: Snapshot | None = None  # counters at the last learner step
+        self.slow_calls = SlowCalls(cfg.run.call_timeout_s, cfg.run.unanswered_timeout_s)
+        self.poller = Poller(self.slow_calls)  # every supervision call, with its timeout
 
     def start(self) -> None:
         cfg = self.cfg
@@ -128,7 +136,9 @@ class Run:
                     str(self.run_dir / "logs"))
                 for i in range(mc.engines)]
         log.info("starting %d engine server(s)…", sum(map(len, self.engines.values())))
-        urls = {m: ray.get([e.start.remote() for e in es]) for m, es in self.engines.items()}
+        urls = {m: get_within([e.start.remote() for e in es],
+                              engine_restart_s(cfg.models[m].engine), f"engines of {m} (start)")
+                for m, es in self.engines.items()}
         log.info("engines ready: %s", urls)
         self.buffer_incarnations = None  # set once the buffers exist (restart detection)
         if self.resume:
@@ -162,7 +172,8 @@ class Run:
                 LearnerFiles(str(self.run_dir), pad_id, cfg.run.keep_weights,
                              cfg.run.checkpoint_every, cfg.run.keep_checkpoints))
         self.urls = urls
-        self.buffer_incarnations = {m: ray.get(b.incarnation.remote())
+        self.buffer_incarnations = {m: get_within(b.incarnation.remote(), SETUP_TIMEOUT_S,
+                                                  f"buffer {m} (recovering its log)")
                                     for m, b in self.buffers.items()}
         if self.resume_plan is not None:
             restore_parts(self, self.resume_plan)
@@ -215,7 +226,8 @@ class Run:
                 if ref in pending_learners:
                     model_id = pending_learners.pop(ref)
                     try:
-                        summary = ray.get(ref)  # re-raises a learner's error: the run stops
+                        # re-raises a learner's error: the run stops
+                        summary = get_within(ref, READY_TIMEOUT_S, f"learner {model_id} (result)")
                     except ACTOR_GONE as exc:  # its process died
                         pending_learners[self._restart_learner(model_id, exc)] = model_id
                         continue
@@ -229,7 +241,7 @@ class Run:
                 self.state = "stopping"
                 for w in self.learners.values():
                     w.stop.remote(checkpoint=True)
-                ray.get(list(pending_learners))
+                self._join_learners(pending_learners)
                 break
             if self.exhausted and not self.rollout_refs:
                 log.warning("every rollout actor played all workflow.tasks.epochs=%d: stopping "
@@ -237,7 +249,7 @@ class Run:
                             self.cfg.workflow.tasks.epochs)
                 for w in self.learners.values():
                     w.stop.remote()
-                ray.get(list(pending_learners))
+                self._join_learners(pending_learners)
                 break
             if time.time() - last_status > 5:
                 self._watch_stall(self._status())
@@ -247,8 +259,14 @@ class Run:
                 log.warning("run.max_wall_s=%s reached: stopping", wall)
                 for w in self.learners.values():
                     w.stop.remote()
-                ray.get(list(pending_learners))
+                self._join_learners(pending_learners)
                 break
+
+    def _join_learners(self, pending: dict) -> None:
+        """Wait for the stopped learners' `run` calls (each ends its step, maybe writes a
+        checkpoint); re-raises a learner's error."""
+        get_within(list(pending), LEARNER_STOP_TIMEOUT_S,
+                   f"learners {sorted(pending.values())} (stopping)")
 
     def _on_rollout_exit(self, ref) -> None:
         index = self.rollout_refs.pop(ref)
@@ -256,7 +274,7 @@ class Run:
             self._retire(index, ref)
             return
         try:
-            stats = ray.get(ref)
+            stats = get_within(ref, READY_TIMEOUT_S, f"rollout actor {index} (result)")
         except ray.exceptions.RayError as exc:
             budget = self.cfg.run.actor_restarts_per_hour
             recent = self.restarts_last_hour()
@@ -269,6 +287,7 @@ class Run:
             self.restarts += 1
             self.restart_times.append(time.time())
             ray.kill(self.rollouts[index])
+            self.poller.forget(self.owners[index])
             self._close_books(self.owners[index], "actor_crashed")
             self.spawn_rollout(index)
             return
@@ -305,12 +324,14 @@ class Run:
             time.sleep(0.5)
         self.buffer_incarnations[model_id] = self._buffer_call(model_id, "incarnation")
         held = self._buffer_call(model_id, "held_units")
-        ray.get(self.clock.rewind.remote(model_id, version, held))
+        self.poller.wait(("clock", "rewind"),
+                         lambda: self.clock.rewind.remote(model_id, version, held))
         # Ray is re-creating the learner (building a model takes a while)
-        self._call_until_up(learner, "progress", what=f"learner {model_id}",
-                            limit_s=deadline - time.monotonic())
-        ray.get(learner.restore.remote(str(self.run_dir / "checkpoints" / model_id /
-                                           f"v{version}") if found else None))
+        self.poller.wait_until_up(learner, "progress", what=f"learner-{model_id}",
+                                  limit_s=deadline - time.monotonic())
+        get_within(learner.restore.remote(str(self.run_dir / "checkpoints" / model_id /
+                                              f"v{version}") if found else None),
+                   SETUP_TIMEOUT_S, f"learner {model_id} (restoring v{version})")
         self.control.rewound(model_id, version)
         resend_coach_requests(self.run_dir, self.coach,
                               set(self._buffer_call(model_id, "pending_step_ids")), resend=True)
@@ -326,13 +347,14 @@ class Run:
         since = self.draining.pop(index)
         actor = self.rollouts.pop(index)
         try:
-            stats = ray.get(ref)
+            stats = get_within(ref, READY_TIMEOUT_S, f"rollout actor {index} (result)")
             self.retired_episodes += stats["episodes"]
             reason = "scaled_down"
         except ray.exceptions.RayError as exc:  # it died while draining: settled as a crash
             log.error("rollout actor %d failed while draining: %s", index, exc)
             reason = "actor_crashed"
         ray.kill(actor)
+        self.poller.forget(self.owners[index])
         self._close_books(self.owners.pop(index), reason)
         log.info("rollout actor %d removed after %.1f s of draining", index, time.time() - since)
 
@@ -341,12 +363,25 @@ class Run:
         self.crashed_units = _add_counts([self.crashed_units, freed])
 
     def _status(self) -> Snapshot:
-        """Coach and engine supervision plus the periodic metrics; returns the counters."""
-        ray.get(self.coach.check.remote())  # a coach programming error stops the run here
-        self._watch_buffer_restarts()
-        for es in self.engines.values():
-            ray.get([e.ensure_alive.remote() for e in es])
-        now = self._snapshot(coach=self._coach_metrics())
+        """One supervision round: the coach's health, buffer restarts, engine health, every
+        part's counters and the periodic metrics; returns the counters. All its calls go out
+        at once and are waited for together, at most `run.call_timeout_s` (runtime/supervise.py:
+        a slow part's last answer stands)."""
+        checks = {("coach", "check"): self.coach.check.remote,
+                  ("coach", "histograms"): self.coach.histograms.remote,
+                  **self._incarnation_calls(), **self._engine_calls("ensure_alive")}
+        # A restarting engine's ensure_alive stays pending across rounds for up to its restart
+        # time: the round does not wait for it, so learners and rollouts stay supervised.
+        limits = {(f"engine-{name}", "ensure_alive"): max(
+            engine_restart_s(self.cfg.models[m].engine), self.cfg.run.unanswered_timeout_s)
+            for name, m, _ in self._named_engines()}
+        answers = self.poller.poll({**checks, **self._snapshot_calls()}, limits)
+        answers.get(("coach", "check"))  # a coach programming error stops the run here
+        self._watch_buffer_restarts(answers)
+        for call in self._engine_calls("ensure_alive"):
+            answers.get(call)  # a dead engine actor, or one past its restart budget, stops it
+        now = self._snapshot(answers)
+        self._coach_metrics(answers)
         elapsed = max(time.time() - self.started_at, 1e-9)
         episodes = self.retired_episodes + sum(s["episodes"] for s in now.rollouts)
         rate = self.control.episodes_per_s(episodes, now.at)
@@ -355,6 +390,7 @@ class Run:
             "perf/episodes_per_s_last_min": rate,
             "perf/rollout_actors": float(len(self.rollouts) - len(self.draining)),
             "perf/admission_waits": float(sum(s["admission_waits"] for s in now.rollouts)),
+            **self.slow_calls.scalars(),
         }
         for name, stats in now.engines.items():
             for key in ("restarts", "busy_probes", "port_moves", "last_progress_age_s"):
@@ -363,23 +399,56 @@ class Run:
         self.control.publish_status(now, rate)
         return now
 
-    def _snapshot(self, coach: dict | None = None) -> Snapshot:
-        """Every part's counters now (for the stall watchdog); `coach` if already fetched."""
-        learners = [self._progress(m) for m in self.learners]
+    def _named_engines(self) -> list[tuple[str, str, object]]:
+        """(name, model id, actor) of every engine; names as in the summary, `policy-0`."""
+        return [(f"{m}-{i}", m, e) for m, es in self.engines.items() for i, e in enumerate(es)]
+
+    def _engine_calls(self, method: str) -> Calls:
+        return {(f"engine-{name}", method): getattr(e, method).remote
+                for name, _, e in self._named_engines()}
+
+    def _incarnation_calls(self) -> Calls:
+        return {(f"buffer-{m}", "incarnation"): b.incarnation.remote
+                for m, b in self.buffers.items()}
+
+    def _snapshot_calls(self) -> Calls:
+        """The calls behind a `Snapshot`: every part's counters."""
+        calls = {(f"learner-{m}", "progress"): w.progress.remote
+                 for m, w in self.learners.items()}
+        calls.update({(f"buffer-{m}", "stats"): b.stats.remote for m, b in self.buffers.items()})
+        calls[("clock", "snapshot")] = self.clock.snapshot.remote
+        calls[("coach", "stats")] = self.coach.stats.remote
+        calls.update({(self.owners[i], "stats"): a.stats.remote for i, a in self.rollouts.items()})
+        calls.update(self._engine_calls("stats"))
+        return calls
+
+    def _snapshot(self, answers: Answers | None = None) -> Snapshot:
+        """Every part's counters (for the stall watchdog) from a round's `answers`: a slow
+        part's last answer stands, a dead one is handled as its kind needs. Without `answers`
+        every part is asked and waited for (the first snapshot: later rounds fall back on it)."""
+        if answers is None:
+            answers = self.poller.poll(self._snapshot_calls(), wait_all=True)
+        buffers = {m: self._buffer_stats(m, answers) for m in self.buffers}
         return Snapshot(
             at=time.time(),
-            learners=dict(zip(self.learners, learners)),
-            buffers={m: asdict(self._buffer_call(m, "stats")) for m in self.buffers},
-            clock=ray.get(self.clock.snapshot.remote()),
-            coach=coach if coach is not None else ray.get(self.coach.stats.remote()),
-            rollouts=self._rollout_stats(),
-            engines=self._engine_stats())
+            learners={m: self._progress(m, answers) for m in self.learners},
+            buffers={m: asdict(s) for m, s in buffers.items() if s is not None},
+            clock=answers.get(("clock", "snapshot"), {}),
+            coach=answers.get(("coach", "stats"), {}),
+            rollouts=self._rollout_stats(answers),
+            engines=self._engine_stats(answers))
 
-    def _watch_buffer_restarts(self) -> None:
+    def _watch_buffer_restarts(self, answers: Answers) -> None:
         """A buffer Ray restarted came back from its log with rows still pending whose coach
         scores were lost with the old process: ask the coach for them again, once."""
         seen = self.buffer_incarnations
-        current = {m: self._buffer_call(m, "incarnation") for m in self.buffers}
+        current = {}
+        for model_id in self.buffers:
+            try:  # slow: the restart (if any) is seen in a later round
+                current[model_id] = answers.get((f"buffer-{model_id}", "incarnation"),
+                                                seen[model_id])
+            except ACTOR_GONE:  # Ray is restarting it: wait for the new incarnation
+                current[model_id] = self._buffer_call(model_id, "incarnation")
         self.buffer_incarnations = current
         for model_id, incarnation in current.items():
             if incarnation == seen[model_id]:
@@ -396,48 +465,46 @@ class Run:
     def _buffer_call(self, model_id: str, method: str, *args, limit_s: float = 180.0):
         """Call a buffer, waiting while Ray restarts it (a call in flight at its crash
         fails; later ones queue until it has recovered from its log)."""
-        return self._call_until_up(self.buffers[model_id], method, *args,
-                                   what=f"buffer {model_id}", limit_s=limit_s)
+        return self.poller.wait_until_up(self.buffers[model_id], method, *args,
+                                         what=f"buffer-{model_id}", limit_s=limit_s)
 
-    @staticmethod
-    def _call_until_up(actor, method: str, *args, what: str, limit_s: float):
-        """`ray.get(actor.method(*args))`, retried every second for `limit_s` while the
-        actor's process is dead and Ray restarts it; then the actor's error is raised."""
-        deadline = time.monotonic() + limit_s
-        while True:
-            try:
-                return ray.get(getattr(actor, method).remote(*args))
-            except ACTOR_GONE as exc:
-                if time.monotonic() > deadline:
-                    raise
-                log.warning("%s unavailable (%s); waiting for its restart", what,
-                            type(exc).__name__)
-                time.sleep(1.0)
+    def _buffer_stats(self, model_id: str, answers: Answers):
+        """A buffer's stats; while Ray restarts it, waited for (`_buffer_call`)."""
+        try:
+            return answers.get((f"buffer-{model_id}", "stats"))
+        except ACTOR_GONE:
+            return self._buffer_call(model_id, "stats")
 
-    def _progress(self, model_id: str) -> dict:
+    def _progress(self, model_id: str, answers: Answers) -> dict:
         """A learner's progress; while its process is dead or restarting, the last one seen."""
         try:
-            progress = ray.get(self.learners[model_id].progress.remote())
+            progress = answers.get((f"learner-{model_id}", "progress"))
         except ACTOR_GONE:
+            progress = None
+        if progress is None:
             return self.last_progress.get(model_id, {"version": 0, "in_step_s": 0.0})
         self.last_progress[model_id] = progress
         return progress
 
-    def _rollout_stats(self) -> list[dict]:
+    def _rollout_stats(self, answers: Answers) -> list[dict]:
         """Stats of the live rollout actors; a dead one is skipped here (its `run` reference
         reports the death to `wait`, which replaces it and settles its rounds)."""
         stats = []
-        for index, actor in self.rollouts.items():
+        for index in self.rollouts:
             try:
-                stats.append(ray.get(actor.stats.remote()))
+                one = answers.get((self.owners[index], "stats"))
             except ACTOR_GONE:
                 log.info("rollout actor %d is dead; wait() replaces it", index)
+                continue
+            if one is not None:  # None: slow and never answered yet
+                stats.append(one)
         return stats
 
-    def _engine_stats(self) -> dict[str, dict]:
-        names = [f"{m}-{i}" for m, es in self.engines.items() for i in range(len(es))]
-        stats = ray.get([e.stats.remote() for es in self.engines.values() for e in es])
-        return dict(zip(names, stats))
+    def _engine_stats(self, answers: Answers) -> dict[str, dict]:
+        """Every engine's counters (a dead engine actor stops the run)."""
+        stats = {name: answers.get((f"engine-{name}", "stats"))
+                 for name, _, _ in self._named_engines()}
+        return {name: s for name, s in stats.items() if s is not None}
 
     def _watch_stall(self, now: Snapshot) -> None:
         """Stop the run with a diagnosis when no learner stepped for run.stall_timeout_s."""
@@ -455,31 +522,45 @@ class Run:
         raise RuntimeError(f"run stalled ({self.cfg.run.stall_timeout_s:.0f} s, "
                            f"run.stall_timeout_s): {message}")
 
-    def _coach_metrics(self) -> dict:
-        """`coach/…` scalars and per-agent score histograms; returns the pool's stats."""
-        coach, histograms = ray.get([self.coach.stats.remote(), self.coach.histograms.remote()])
-        self.metrics.scalars.remote({f"coach/{k}": v for k, v in coach.items()})
-        self.status_ticks += 1
-        for key, values in histograms.items():
-            self.metrics.histogram.remote(f"coach/{key}", values, self.status_ticks)
+    def _coach_metrics(self, answers: Answers) -> dict:
+        """`coach/…` scalars and per-agent score histograms of a round's fresh answers;
+        returns the pool's stats."""
+        coach = answers.get(("coach", "stats"), {})
+        if ("coach", "stats") not in answers.slow:
+            self.metrics.scalars.remote({f"coach/{k}": v for k, v in coach.items()})
+        if ("coach", "histograms") not in answers.slow:
+            self.status_ticks += 1
+            for key, values in answers.get(("coach", "histograms"), {}).items():
+                self.metrics.histogram.remote(f"coach/{key}", values, self.status_ticks)
         return coach
 
     def finish(self) -> dict:
-        """Stop rollouts, drain buffers, account for every row; returns the summary."""
+        """Stop rollouts, drain buffers, account for every row; returns the summary. Its calls
+        are waited for up to `run.unanswered_timeout_s` each (counted slow meanwhile)."""
         self.state = "stopping"
-        self._watch_buffer_restarts()  # one that restarted since the last status round
-        rollout_stats = ray.get([r.stop.remote() for r in self.rollouts.values()])
+        gather = self.poller.gather
+        # one that restarted since the last status round
+        self._watch_buffer_restarts(self.poller.poll(self._incarnation_calls(), wait_all=True))
+        rollout_stats = gather({(self.owners[i], "stop"): r.stop.remote
+                                for i, r in self.rollouts.items()})
         self._close_books(None, "run_stopped")  # rounds cut off while shipping
-        learner = {m: ray.get(w.summary.remote()) for m, w in self.learners.items()}
-        drained = {m: ray.get(b.drain.remote("run_stopped")) for m, b in self.buffers.items()}
-        buffers = {m: asdict(ray.get(b.stats.remote())) for m, b in self.buffers.items()}
-        ledger = asdict(ray.get(self.clock.ledger_stats.remote()))
-        engines = self._engine_stats()
+        learner = dict(zip(self.learners, gather({(f"learner-{m}", "summary"): w.summary.remote
+                                                  for m, w in self.learners.items()})))
+        drained = dict(zip(self.buffers, gather({
+            (f"buffer-{m}", "drain"): functools.partial(b.drain.remote, "run_stopped")
+            for m, b in self.buffers.items()})))
+        buffers = {m: asdict(s) for m, s in zip(self.buffers, gather(
+            {(f"buffer-{m}", "stats"): b.stats.remote for m, b in self.buffers.items()}))}
+        ledger = asdict(self.poller.wait(("clock", "ledger_stats"), self.clock.ledger_stats.remote))
+        engines = self._engine_stats(self.poller.poll(self._engine_calls("stats"), wait_all=True))
+        coach = self._coach_metrics(self.poller.poll(
+            {("coach", "stats"): self.coach.stats.remote,
+             ("coach", "histograms"): self.coach.histograms.remote}, wait_all=True))
         summary = {
             "run_id": self.run_id, "run_dir": str(self.run_dir),
             "wall_s": time.time() - self.started_at, "learners": learner,
             "rollouts": rollout_stats, "buffers": buffers, "drained": drained,
-            "coach": self._coach_metrics(), "actor_restarts": self.restarts,
+            "coach": coach, "actor_restarts": self.restarts,
             "control": {"commands": self.control.commands, "refused": self.control.refused,
                         "scaling": self.control.scaling, "stop_reason": self.control.stop_reason,
                         "staleness_changes": self.control.staleness_changes,
@@ -496,9 +577,10 @@ class Run:
             "rows": {**row_accounting(ledger, buffers),
                      "crashed_actor_units": self.crashed_units},
             "ledger": ledger,
-            "metrics": ray.get(self.metrics.counts.remote()),
-            "tensorboard_keys": ray.get(self.metrics.close.remote()),
+            "metrics": self.poller.wait(("metrics", "counts"), self.metrics.counts.remote),
+            "tensorboard_keys": self.poller.wait(("metrics", "close"), self.metrics.close.remote),
         }
+        summary["supervision"] = self.slow_calls.summary()  # after the calls above
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         self.state = "finished"
         self.control.publish_steps(force=True)  # steps of the last second before the stop
@@ -510,7 +592,7 @@ class Run:
         for es in self.engines.values():
             for e in es:
                 try:
-                    ray.get(e.stop.remote(), timeout=30)
+                    ray.get(e.stop.remote(), timeout=ENGINE_STOP_TIMEOUT_S)
                 except ray.exceptions.RayError as exc:  # logged: the server may already be gone
                     log.warning("engine stop failed: %s", exc)
         actors = [e for es in self.engines.values() for e in es]
