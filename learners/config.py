@@ -28,6 +28,7 @@ BEHAVIOR_CORRECTIONS = ("tis", "mask")
 # "auto" is resolved by the runtime before a learner is built (runtime/dtype.py): bf16 where
 # the machine computes it natively, fp32 elsewhere.
 DTYPES = ("float32", "bfloat16", "auto")
+WEIGHT_SYNCS = ("auto", "disk", "tensor")  # LearnerConfig.weight_sync
 AUTO = "auto"  # `max_staleness: auto`: η follows the measured rates (runtime/staleness.py)
 
 
@@ -85,6 +86,14 @@ class LearnerConfig:
     staleness_cap: int = 8  # auto: the largest η it may choose (the hard bound on staleness)
     staleness_target_wait: float = 0.1  # auto: the learner's waiting share to stay under
     staleness_window_steps: int = 2  # auto: learner steps per measurement window
+    # How new weights reach this model's engines after a step: "disk" (a safetensors folder
+    # the engines load), "tensor" (shared memory; engines on the learner's host only), or
+    # "auto": disk unless every engine is on the learner's host; then the first 4 steps try
+    # both and the faster is kept (runtime/learner_worker.py). With tensors the folder is
+    # still written every weights_to_disk_every steps and at the end: a restarted engine
+    # loads the folder (and reports its older version until the next step's tensors).
+    weight_sync: str = "auto"
+    weights_to_disk_every: int = 10
 
     def __post_init__(self) -> None:
         # Imported here, not at module top: protocol.py imports this module for its annotations.
@@ -175,6 +184,10 @@ class LearnerConfig:
                self.staleness_target_wait, "use a share of the learner's time in [0, 1)")
         _check(self.staleness_window_steps >= 1, "staleness_window_steps",
                self.staleness_window_steps, "use an integer ≥ 1")
+        _check(self.weight_sync in WEIGHT_SYNCS, "weight_sync", self.weight_sync,
+               f"use one of {WEIGHT_SYNCS}")
+        _check(self.weights_to_disk_every >= 1, "weights_to_disk_every",
+               self.weights_to_disk_every, "use an integer ≥ 1 (1 = a folder every step)")
 
     @property
     def auto_staleness(self) -> bool:

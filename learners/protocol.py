@@ -76,6 +76,10 @@ class Learner(Protocol):
         """Write the current weights as a loadable HF folder for `version`."""
         ...
 
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The current weights by HF name, on the CPU, copies the next step does not touch."""
+        ...
+
     def save(self, path: str) -> None:
         """Checkpoint everything needed to resume training bit-for-bit into folder `path`."""
         ...

@@ -216,6 +216,11 @@ class TorchLearner:
                 shutil.copy2(os.path.join(self.model_path, name), staging)
         return WeightRef(model_id=self.model_id, version=version, path=final)
 
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict (HF names already), cloned to the CPU."""
+        return {name: t.detach().to("cpu", copy=True) for name, t in
+                self.model.state_dict().items()}
+
     def save(self, path: str) -> None:
         """Checkpoint model, optimizer, version and torch CPU RNG state into folder `path`.
 

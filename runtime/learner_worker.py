@@ -23,16 +23,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import ray
 
 from learners.prepare import prepare_batch
 from learners.config import LearnerConfig
 from learners.protocol import build_learner
+from actors.engines.sglang import serialize_weights
 from runtime.failures import ACTOR_GONE
 from runtime.logs import configure_logging
 
 log = logging.getLogger("troupe.learner")
 
 BUFFER_RESTART_S = 180.0  # how long calls to a buffer being restarted by Ray are retried
+
+
+SYNC_TRIALS = 2  # weight_sync auto: timed syncs per path before the faster one is kept
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,12 @@ class LearnerWorker:
         self.busy_s = 0.0
         self.wait_s = 0.0
         self.last_wait_s = 0.0  # the wait for the batch of the step in progress
+        self.last_sync_s = 0.0  # weights written + loaded by the engines, last step
+        self.disk_version = 0  # the newest version published as a folder
+        self.tensor_syncs = 0  # steps whose weights went as shared-memory tensors
+        self._tensor_ok: bool | str | None = None  # None until the first sync, "trial"
+        self._sync_trials: dict[str, list[float]] | None = None  # auto: seconds per path
+        self.sync_choice: dict | None = None  # auto's pick and the medians it compared
         self.staleness_sum = 0  # Σ staleness over every trained row (the run's mean)
         self.started_at = time.time()
         self.last_weights: str | None = None
@@ -123,6 +134,7 @@ class LearnerWorker:
                 await self.checkpoint()
         if self._checkpoint_requested:  # a stop with checkpoint arrived between steps
             await self.checkpoint()
+        await self.finish_weights()  # the run's last weights exist as a folder
         return self.summary()
 
     async def _next_batch(self):
@@ -213,7 +225,7 @@ class LearnerWorker:
         self.calls["engines"] += len(self.engines)
         await asyncio.gather(*(e.update_weights_from_disk.remote(ref.path, self.version)
                                for e in self.engines))
-        self.last_weights = ref.path
+        self.last_weights, self.disk_version = ref.path, self.version
         self._audit({"resumed_from": self.version, "at": time.time()})
         log.info("[%s] restored v%d from %s", self.model_id, self.version, path)
         return meta
@@ -228,19 +240,16 @@ class LearnerWorker:
         train = await asyncio.to_thread(self.learner.train_step, train_batch)
         train.update(extra)
         self.version += 1
-        ref = await asyncio.to_thread(self.learner.publish_weights, self.version)
-        publish_start = time.perf_counter()
-        self.calls["engines"] += len(self.engines)
-        await asyncio.gather(*(e.update_weights_from_disk.remote(ref.path, self.version)
-                               for e in self.engines))
-        publish_s = time.perf_counter() - publish_start
+        sync_start = time.perf_counter()
+        publish_s = await self._sync_weights(
+            to_disk=self.version % self.cfg.weights_to_disk_every == 0)
+        self.last_sync_s = time.perf_counter() - sync_start  # write or send, + load
         self.calls["clock"] += 1
         await self.clock.set_version.remote(self.model_id, self.version)
         step_s = time.perf_counter() - start
         self.busy_s += step_s
         self.rows_trained += table.num_rows
         self.staleness_sum += int(np.sum(batch.staleness))
-        self.last_weights = ref.path
         self._audit({"version": self.version, "at": time.time(),
                      "max_staleness": self.max_staleness,
                      "staleness_max": int(np.max(batch.staleness)),
@@ -249,6 +258,80 @@ class LearnerWorker:
         self._step_started = None
         self._prune_weights()
         await self._log(batch, advantages, train, step_s, publish_s)
+
+    async def _sync_weights(self, to_disk: bool) -> float:
+        """Bring this model's engines to `self.version`; returns the engines' load seconds.
+
+        By folder (`publish_weights`, then every engine loads it), or, where tensor sync is
+        on, as shared-memory tensors, with a folder anyway when `to_disk`.
+        """
+        started = time.perf_counter()
+        tensor = not to_disk and await self._tensor_sync()
+        if tensor:
+            state = await asyncio.to_thread(self.learner.hf_state_dict)
+            payload = await asyncio.to_thread(serialize_weights, state.items())
+            load_start = time.perf_counter()
+            self.calls["engines"] += len(self.engines)
+            await asyncio.gather(*(e.update_weights_from_payload.remote(payload, self.version)
+                                   for e in self.engines))
+            del state  # the engines copied the tensors: the shared memory may go now
+            self.tensor_syncs += 1
+        else:
+            ref = await asyncio.to_thread(self.learner.publish_weights, self.version)
+            load_start = time.perf_counter()
+            self.calls["engines"] += len(self.engines)
+            await asyncio.gather(*(e.update_weights_from_disk.remote(ref.path, self.version)
+                                   for e in self.engines))
+            self.last_weights = ref.path
+            self.disk_version = self.version
+        done = time.perf_counter()
+        if self._sync_trials is not None:
+            self._sync_trials["tensor" if tensor else "disk"].append(done - started)
+        return done - load_start
+
+    async def _tensor_sync(self) -> bool:
+        """Whether this step's weights go as tensors.
+
+        `weight_sync: tensor` or `disk` decide. "auto": disk unless every engine runs on
+        this learner's host (asked once); if they do, the first steps alternate the two
+        paths (SYNC_TRIALS each, timed from the learner's state to every engine loaded) and
+        the faster median wins for the rest of the run. Which is faster depends on the model
+        size and what the engines are doing: on the tiny model in a run the folder wins, on
+        SmolLM2-135M with an idle engine the tensors (scripts/bench_weights.py).
+        """
+        if self._tensor_ok is None:
+            mode = self.cfg.weight_sync
+            if mode == "auto":
+                here = ray.get_runtime_context().get_node_id()
+                self.calls["engines"] += len(self.engines)
+                nodes = await asyncio.gather(*(e.node_id.remote() for e in self.engines))
+                local = bool(self.engines) and all(n == here for n in nodes)
+                if not local:
+                    log.info("[%s] weight sync: disk (engines on %s, learner on %s)",
+                             self.model_id, sorted(set(nodes)), here)
+                    self._tensor_ok = False
+                    return False
+                self._sync_trials = {"disk": [], "tensor": []}
+                self._tensor_ok = "trial"
+            else:
+                self._tensor_ok = mode == "tensor"
+        if self._tensor_ok == "trial":
+            trials = self._sync_trials
+            if min(len(t) for t in trials.values()) < SYNC_TRIALS:
+                return len(trials["tensor"]) < len(trials["disk"])  # alternate, disk first
+            medians = {path: float(np.median(t)) for path, t in trials.items()}
+            self._tensor_ok = medians["tensor"] < medians["disk"]
+            self.sync_choice = {"path": "tensor" if self._tensor_ok else "disk",
+                                **{f"{p}_s": round(m, 4) for p, m in medians.items()}}
+            log.info("[%s] weight sync: %s (median of %d steps each: tensor %.3f s, disk "
+                     "%.3f s)", self.model_id, self.sync_choice["path"], SYNC_TRIALS,
+                     medians["tensor"], medians["disk"])
+        return bool(self._tensor_ok)
+
+    async def finish_weights(self) -> None:
+        """Write the folder of the last version if tensor sync left it only in memory."""
+        if self.disk_version != self.version:
+            await self._sync_weights(to_disk=True)
 
     async def _buffer(self, method: str, *args):
         """Call the buffer, retrying while Ray restarts it after a crash of its process (it
@@ -293,6 +376,7 @@ class LearnerWorker:
             f"train/{m}/version": float(v),
             f"perf/{m}/learner_step_s": step_s,
             f"perf/{m}/weight_publish_s": publish_s,
+            f"perf/{m}/weight_sync_s": self.last_sync_s,
             f"perf/{m}/learner_busy_fraction": self.busy_fraction(),
             f"perf/{m}/rows_trained_per_s": self.rows_trained / self.elapsed(),
         })
@@ -318,7 +402,8 @@ class LearnerWorker:
             "model": m, "version": v, "loss": round(float(train.get("loss", float("nan"))), 5),
             "rows": table.num_rows, "staleness_mean": round(float(staleness.mean()), 3),
             "staleness_max": int(staleness.max()), "max_staleness": self.max_staleness,
-            "step_s": round(step_s, 3), "wait_s": round(self.last_wait_s, 3),
+            "step_s": round(step_s, 3), "sync_s": round(self.last_sync_s, 3),
+            "wait_s": round(self.last_wait_s, 3),
             "ready_wait_s": round(unit_ready_wait_s(batch), 3), "at": time.time(),
             **{f"reward/{a}": round(float(np.mean(x)), 4) for a, x in sorted(per_agent.items())}})
         self.metrics.histogram.remote(f"staleness/{m}/histogram", staleness.tolist(), v)
@@ -350,6 +435,7 @@ class LearnerWorker:
                 "rows_trained": self.rows_trained, "busy_s": self.busy_s,
                 "wait_s": self.wait_s, "elapsed_s": self.elapsed(),
                 "busy_fraction": self.busy_fraction(), "weights": self.last_weights,
+                "tensor_syncs": self.tensor_syncs, "weight_sync": self.sync_choice,
                 "staleness_mean": self.staleness_sum / max(self.rows_trained, 1),
                 "actor_calls": dict(self.calls),
                 "actor_calls_per_step": sum(self.calls.values()) / max(self.version, 1),

@@ -135,6 +135,19 @@ _BIND_FAILED = "address already in use"
 _PORT_ATTEMPTS = 3  # starts in a row, each on a fresh port, before a taken port is an error
 
 
+def serialize_weights(named_tensors) -> str:
+    """HF-named CPU tensors as a `/update_weights_from_tensor` payload of shared-memory handles.
+
+    Sets torch's "file_system" sharing strategy in the calling process (the default one
+    crashes the server's scheduler on CPU). Keep the tensors alive until the load returns.
+    """
+    import torch.multiprocessing
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    return MultiprocessingSerializer.serialize(list(named_tensors), output_str=True)
+
+
 class _PortTaken(RuntimeError):
     """The server exited during startup because another process held its port."""
 
@@ -196,8 +209,9 @@ class SGLangEngine:
         self.log_dir = Path(chosen) if chosen else Path(tempfile.mkdtemp(prefix="troupe-engine-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.log_dir / f"sglang-{model_id}.log"
-        self.weights_path = self.model_path  # folder of the weights the server holds
-        self.weight_version = 0
+        self.weights_path = self.model_path  # folder of the weights a (re)start loads
+        self.disk_version = 0  # the version of that folder
+        self.weight_version = 0  # the version served (newer after a tensor update)
         self.restarts = 0  # total over the engine's life
         self.busy_probes = 0  # failed probes of a live server that was making progress
         # weight updates applied while requests ran, whose prefix cache the server could not
@@ -286,6 +300,7 @@ class SGLangEngine:
         self._finalizer = weakref.finalize(self, _kill_process_group, self._proc)
         started = time.perf_counter()
         self._wait_healthy(log_from)
+        self.weight_version = self.disk_version
         self.startup_seconds = time.perf_counter() - started
         self._progress.answered(self.pid)
         log.info("%s ready at %s in %.1f s", self.model_id, self.url, self.startup_seconds)
@@ -440,27 +455,78 @@ class SGLangEngine:
         with self._gate.updating():  # takes `_lifecycle`; ensure_alive passes over it
             return self._load_weights(Path(path), version)
 
+    def update_weights_from_tensor(self, named_tensors: list[tuple[str, "torch.Tensor"]],
+                                   version: int) -> dict:
+        """Load HF-named tensors from this process's memory into the running server.
+
+        `serialize_weights` turns them into shared-memory handles; see
+        `update_weights_from_payload`, which the learner calls from its own process.
+        """
+        return self.update_weights_from_payload(serialize_weights(named_tensors), version)
+
+    def update_weights_from_payload(self, payload: str, version: int) -> dict:
+        """Load weights sent as `serialize_weights(...)` from a process on this host.
+
+        The tensors travel as shared-memory handles (torch's "file_system" sharing, the one
+        strategy that does not crash the server's scheduler on CPU), between the server's
+        `/begin_weight_update` and `/end_weight_update`; the sender keeps them alive until
+        this returns. The server keeps no folder of these weights: a restart serves the last
+        folder and says so with its version (`disk_version`).
+        `scripts/bench_weights.py` measures it against `update_weights_from_disk`.
+        """
+        with self._gate.updating():
+            started = time.perf_counter()
+            try:
+                self._control("begin_weight_update", {})
+                try:
+                    response = self._paused_post("update_weights_from_tensor", {
+                        "serialized_named_tensors": [payload], "weight_version": str(version)})
+                finally:
+                    self._control("end_weight_update", {})
+            except httpx.TransportError as err:
+                if self.is_alive():
+                    raise
+                self._restart(f"unreachable during weight update ({err!r}); back on "
+                              f"{self.weights_path} (v{self.disk_version})")
+                return {"success": True, "update_s": time.perf_counter() - started,
+                        "message": f"restarted on the folder's weights, v{self.disk_version}",
+                        "num_paused_requests": 0}
+            body = self._update_answer(response, None, version)
+            body["update_s"] = time.perf_counter() - started
+            self.updates += 1
+            self.update_seconds += body["update_s"]
+            return body
+
+    def node_id(self) -> str:
+        """The Ray node this engine runs on ("" outside Ray): tensor sync needs the same host."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+
+    def _paused_post(self, endpoint: str, payload: dict) -> httpx.Response:
+        """POST an update; in "continue" mode with generation paused in place around it."""
+        paused = self.cfg.weight_update == "continue" and self._control(
+            "pause_generation", {"mode": "in_place"})
+        try:
+            return self._http.post(f"{self.url}/{endpoint}", json=payload,
+                                   timeout=self.cfg.weight_update_timeout_s)
+        finally:
+            if paused:  # never leave a server paused, whatever the update did
+                self._control("continue_generation", {})
+
     def _load_weights(self, path: Path, version: int) -> dict:
         """update_weights_from_disk under the lifecycle lock (paused around it in "continue")."""
         started = time.perf_counter()
         try:
-            paused = self.cfg.weight_update == "continue" and self._control(
-                "pause_generation", {"mode": "in_place"})
-            try:
-                response = self._http.post(
-                    f"{self.url}/update_weights_from_disk",
-                    json={"model_path": str(path), "weight_version": str(version)},
-                    timeout=self.cfg.weight_update_timeout_s,
-                )
-            finally:
-                if paused:  # never leave a server paused, whatever the update did
-                    self._control("continue_generation", {})
+            response = self._paused_post("update_weights_from_disk", {
+                "model_path": str(path), "weight_version": str(version)})
         except httpx.TransportError as err:
             if self.is_alive():
                 raise
             # The server died (or was killed) between two updates: restart it directly on
             # the new weights instead of failing the learner step.
-            self.weights_path, self.weight_version = path, version
+            self.weights_path = path
+            self.disk_version = self.weight_version = version
             self._restart(f"unreachable during weight update ({err!r}); loading {path}")
             return {"success": True, "message": "restarted on the new weights",
                     "num_paused_requests": 0, "update_s": time.perf_counter() - started}
@@ -479,8 +545,9 @@ class SGLangEngine:
                                f"{response.status_code}: {response.text[:500]}")
         return True
 
-    def _update_answer(self, response: httpx.Response, path: Path, version: int) -> dict:
-        """The server's answer to an update, checked; the engine then serves `version`."""
+    def _update_answer(self, response: httpx.Response, path: Path | None, version: int) -> dict:
+        """The server's answer to an update, checked; the engine then serves `version`
+        (from folder `path`; None: from memory, and a restart serves the last folder)."""
         self._progress.answered(self.pid)  # it answered, whatever it said
         body = response.json() if response.headers.get("content-type", "").startswith(
             "application/json") else {"message": response.text}
@@ -503,7 +570,9 @@ class SGLangEngine:
                 f"engine {self.model_id} refused weights {path} (version {version}): "
                 f"HTTP {response.status_code}: {body.get('message', body)}"
             )
-        self.weights_path, self.weight_version = path, version
+        if path is not None:
+            self.weights_path, self.disk_version = path, version
+        self.weight_version = version
         return body
 
     # ------------------------------------------------------------------ internals
@@ -517,7 +586,7 @@ class SGLangEngine:
             "--host", "127.0.0.1", "--port", str(self._port),
             "--dtype", cfg.dtype,
             "--max-total-tokens", str(cfg.max_total_tokens),
-            "--weight-version", str(self.weight_version),
+            "--weight-version", str(self.disk_version),
             "--served-model-name", self.model_id,
         ]
         if cfg.device == "cpu":

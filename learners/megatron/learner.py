@@ -353,9 +353,15 @@ class MegatronLearner:
     # ------------------------------------------------------------------ weights out
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The current weights as a HF state dict (gathered over TP and PP; every rank)."""
+        """The current weights as a HF state dict (gathered over TP and PP; every rank).
+
+        Copies: on the CPU a gathered tensor may share the live parameter's storage, which
+        the next step updates in place (and shared-memory sending would move).
+        """
         self._mirror("hf_state_dict")
-        return self._gather_hf_state()
+        live = {t.untyped_storage().data_ptr() for t in self.model.module.parameters()}
+        return {name: t.clone() if t.untyped_storage().data_ptr() in live else t
+                for name, t in self._gather_hf_state().items()}
 
     def _gather_hf_state(self) -> dict[str, torch.Tensor]:
         local = tensors_to_cpu(self.model.module.state_dict())

@@ -19,7 +19,7 @@ EXPECTED_KEYS = [
     "train/policy/truncated_fraction", "staleness/policy/mean", "staleness/policy/histogram",
     "buffer/policy/pending_rows", "buffer/policy/ready_rows", "buffer/policy/dropped_stale",
     "perf/episodes_per_s", "perf/policy/learner_busy_fraction", "coach/latency_p50_s",
-    "episode/arith_duo/success",
+    "episode/arith_duo/success", "perf/policy/weight_sync_s",
 ]
 
 
@@ -58,6 +58,11 @@ def test_every_row_is_trained_or_dropped_with_a_reason(e2e_run):
     buffer = summary["buffers"]["policy"]
     assert buffer["pending_rows"] == 0 and buffer["ready_rows"] == 0  # drained at the end
     assert summary["coach"]["calls"] > 0
+    # Engines on the learner's host (weight_sync auto): its first steps alternate folder and
+    # tensors (2 each), and the last version, sent as tensors, is written as a folder at the end.
+    assert summary["learners"]["policy"]["tensor_syncs"] == 2
+    assert summary["learners"]["policy"]["weights"].endswith("v4")
+    assert summary["engines"]["policy-0"]["weight_version"] == 4
 
 
 def test_tensorboard_has_the_namespaced_keys(e2e_run):

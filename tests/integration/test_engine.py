@@ -312,3 +312,26 @@ def test_a_weight_update_never_aborts_requests_in_flight(tiny_engine: SGLangEngi
     assert tiny_engine.weight_version == new
     [after] = generate(tiny_engine.url, [3, 7, 9], n=1, max_new_tokens=4)
     assert np.all(after.versions == new)  # not left paused, and serving the new version
+
+
+def test_weights_from_tensor_serve_the_new_policy_and_a_restart_falls_back_to_disk(
+        tiny_engine: SGLangEngine, tiny_model_path, prompts, tmp_path):
+    disk_path, disk_version = tiny_engine.weights_path, tiny_engine.weight_version
+    new_version = disk_version + 1
+    new_path = save_perturbed_copy(disk_path, tiny_model_path, tmp_path / "t", seed=5)
+    new_model = reference_model(str(new_path))
+    answer = tiny_engine.update_weights_from_tensor(list(new_model.state_dict().items()),
+                                                    new_version)
+    print(f"\ntensor update: {answer['update_s']:.2f} s")
+    assert answer["success"], answer
+    assert tiny_engine.weight_version == new_version
+    [gen] = generate(tiny_engine.url, prompts[0], n=1, max_new_tokens=16)
+    assert np.all(gen.versions == new_version)
+    assert max_logprob_diff(new_model, prompts[0], gen, 1.0) < LOGPROB_TOL
+    # Nothing of these weights is on disk: a restart would serve the folder's version, and
+    # says so, rather than the tensor version's number on the folder's weights.
+    assert tiny_engine.weights_path == disk_path and tiny_engine.disk_version == disk_version
+    args = tiny_engine._server_args()
+    assert args[args.index("--weight-version") + 1] == str(disk_version)
+    # Leave the session's server on weights that exist on disk.
+    assert tiny_engine.update_weights_from_disk(new_path, new_version + 1)["success"]

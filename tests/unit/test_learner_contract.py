@@ -120,3 +120,28 @@ def test_prepare_batch_without_reward_kl(backend, model_path, tmp_path):
         torch.testing.assert_close(getattr(batch, name), getattr(expected, name))
     with pytest.raises(ValueError, match="reward_kl_beta"):  # no reference was built
         lrn.reference_logprobs(batch)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hf_state_dict_is_a_copy_the_next_step_leaves_alone(backend, model_path, tmp_path):
+    """Tensor weight sync sends this dict after a step while the next step trains."""
+    lrn = learner(backend, model_path, tmp_path)
+    before = lrn.hf_state_dict()
+    kept = {name: t.clone() for name, t in before.items()}
+    lrn.train_step(on_policy_batch(lrn, [[20, 21, 22], [30]], [1.0, -1.0]))
+    after = lrn.hf_state_dict()
+    assert set(after) == set(before) and all(t.device.type == "cpu" for t in after.values())
+    assert any(not torch.equal(after[n], kept[n]) for n in kept)  # the step moved weights
+    for name, tensor in before.items():  # ... but not the dict handed out before it
+        assert torch.equal(tensor, kept[name]), name
+    on_disk = AutoModelForCausalLM.from_pretrained(lrn.publish_weights(1).path,
+                                                   dtype=torch.float32).state_dict()
+    for name, tensor in after.items():  # the same names and values as the published folder
+        torch.testing.assert_close(tensor.float(), on_disk[name], atol=0, rtol=0)
+
+
+def test_weight_sync_fields_are_checked():
+    with pytest.raises(ValueError, match=r"weight_sync='ram'.*'auto', 'disk', 'tensor'"):
+        LearnerConfig(weight_sync="ram")
+    with pytest.raises(ValueError, match="weights_to_disk_every=0"):
+        LearnerConfig(weights_to_disk_every=0)
