@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from buffers.schema import (
-    BODY_SCHEMA, LABEL_NAMES, StepBatch, WireRows, records_to_table, split_rows,
+    BODY_SCHEMA, LABEL_NAMES, StepBatch, WireRows, records_to_wire, split_rows,
 )
 
 # Per-row scalars the buffer keeps in numpy state, one array per column indexed by row, so
@@ -40,7 +40,7 @@ def as_wire(rows) -> tuple[WireRows, int]:
     if isinstance(rows, pa.RecordBatch):
         rows = pa.Table.from_batches([rows])
     elif not isinstance(rows, pa.Table):
-        rows = records_to_table(list(rows))
+        return records_to_wire(list(rows)), 0
     return split_rows(rows), 0
 
 

@@ -242,13 +242,33 @@ _get_scalars = operator.attrgetter(*_SCALAR_NAMES)
 _get_tokens = operator.attrgetter(*_TOKEN_NAMES)
 
 
-def _token_column(arrays: tuple, dtype) -> tuple[pa.Array, np.ndarray, np.ndarray]:
-    """One large_list column from per-row numpy arrays; returns (column, offsets, values)."""
+def _token_column(arrays: tuple, dtype, offsets: pa.Array | None = None
+                  ) -> tuple[pa.Array, pa.Array, np.ndarray]:
+    """One large_list column from per-row numpy arrays; returns (column, offsets, values).
+
+    `offsets` of another column whose rows have the same lengths are reused as they are.
+    """
     n = len(arrays)
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(np.fromiter(map(len, arrays), dtype=np.int64, count=n), out=offsets[1:])
+    if offsets is None:
+        ends = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, arrays), dtype=np.int64, count=n), out=ends[1:])
+        offsets = pa.array(ends)
     values = np.concatenate(arrays).astype(dtype, copy=False) if n else np.zeros(0, dtype)
-    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values)), offsets, values
+    return pa.LargeListArray.from_arrays(offsets, pa.array(values)), offsets, values
+
+
+def _min_versions(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """behavior_version of each row: the min of its token versions, -1 for a row without any."""
+    lengths = np.diff(offsets)
+    if lengths.all():  # the usual case: every row has tokens
+        return np.minimum.reduceat(values, offsets[:-1]).astype(np.int32, copy=False)
+    behavior_version = np.full(len(lengths), -1, dtype=np.int32)
+    nonempty = lengths > 0
+    if nonempty.any():
+        # reduceat over the starts of non-empty rows only: an empty row would otherwise
+        # yield the value at its start position instead of "no tokens".
+        behavior_version[nonempty] = np.minimum.reduceat(values, offsets[:-1][nonempty])
+    return behavior_version
 
 
 def _timestamps(seconds: np.ndarray, valid: np.ndarray | None = None) -> pa.Array:
@@ -272,13 +292,7 @@ def records_to_table(records: list[StepRecord]) -> pa.Table:
     for name, per_row, dtype in zip(_TOKEN_NAMES, tokens, _TOKEN_DTYPES):
         arrays[name], offsets, values = _token_column(per_row, dtype)
     # token_versions was built last: its offsets/values give min version per row.
-    lengths = np.diff(offsets)
-    behavior_version = np.full(n, -1, dtype=np.int32)
-    nonempty = lengths > 0
-    if nonempty.any():
-        # reduceat over the starts of non-empty rows only: an empty row would otherwise
-        # yield the value at its start position instead of "no tokens".
-        behavior_version[nonempty] = np.minimum.reduceat(values, offsets[:-1][nonempty])
+    behavior_version = _min_versions(values, offsets.to_numpy())
     rewarded = np.fromiter((r is not None for r in scalars["reward"]), dtype=bool, count=n)
     created_at = np.asarray(scalars["created_at"], dtype=np.float64).reshape(n)
     for name, pa_type in _PLAIN_TYPES.items():
@@ -308,6 +322,7 @@ ROW_DTYPE = np.dtype([
 BODY_SCHEMA = pa.schema([STEP_SCHEMA.field(name) for name in (
     "task_id", "episode_id", "branch", "prompt_ids", "response_ids", "behavior_logprobs",
     "token_versions", "meta")])
+_BODY_NAMES = BODY_SCHEMA.names
 _NOT_NULL = ("step_id", "turn", "group_size", "candidate", "behavior_version", "created_at", "group_key")
 
 
@@ -352,6 +367,48 @@ def _shared(values: list) -> list:
     return [first.setdefault(v, v) for v in values]
 
 
+def records_to_wire(records: list[StepRecord]) -> WireRows:
+    """Records in wire form, built from them directly: equal to
+    `split_rows(records_to_table(records))` without the STEP_SCHEMA table in between.
+
+    That table has 27 columns, and building it then taking it apart again cost about 30 us a
+    row more than this at 20 rows a message (a call per column each way; measured by
+    scripts/bench_datapath.py); here the scalars go straight into ROW_DTYPE and only the
+    body's 8 columns are Arrow arrays. The three response columns share one offsets array
+    (StepRecord checks their lengths agree).
+    """
+    if not records:
+        return split_rows(records_to_table([]))
+    scalars = dict(zip(_SCALAR_NAMES, zip(*map(_get_scalars, records))))
+    prompts, responses, logprobs, versions = zip(*map(_get_tokens, records))
+    for name in ("step_id", "turn", "group_size", "candidate", "group_key"):
+        if None in scalars[name]:
+            raise ValueError(f"column {name} has nulls; every row needs one")
+    n = len(records)
+    rows = np.empty(n, ROW_DTYPE)
+    for name in ("turn", "group_size", "candidate"):
+        rows[name] = np.array(scalars[name], np.int16)  # raises for a value int16 cannot hold
+    rows["created_at"] = (np.asarray(scalars["created_at"], np.float64) * 1e6).astype(np.int64)
+    rows["group_key"] = np.frombuffer(b"".join(scalars["group_key"]), "V16")
+    for k, name in enumerate(REWARD_COLUMNS):
+        given = scalars[name]
+        rows["rewards"][:, k] = np.nan if given.count(None) == n else \
+            np.array([np.nan if v is None else v for v in given], np.float32)
+    body = dict(prompt_ids=_token_column(prompts, np.int32)[0])
+    body["response_ids"], offsets, _ = _token_column(responses, np.int32)
+    body["behavior_logprobs"] = _token_column(logprobs, np.float32, offsets)[0]
+    body["token_versions"], _, values = _token_column(versions, np.int32, offsets)
+    rows["behavior_version"] = _min_versions(values, offsets.to_numpy())
+    for name in ("task_id", "episode_id", "branch", "meta"):
+        body[name] = pa.array(scalars[name], pa.string())
+    return WireRows(list(scalars["step_id"]), rows,
+                    {name: _shared(list(scalars[name])) for name in LABEL_NAMES},
+                    # by names: the arrays have BODY_SCHEMA's types already, and passing the
+                    # schema itself costs a check per column (~20 us a message)
+                    pa.RecordBatch.from_arrays([body[name] for name in _BODY_NAMES],
+                                               names=_BODY_NAMES))
+
+
 def join_rows(rows: WireRows) -> pa.Table:
     """Inverse of `split_rows`: the rows as a STEP_SCHEMA table."""
     s, n = rows.scalars, len(rows.step_ids)
@@ -376,9 +433,9 @@ def join_rows(rows: WireRows) -> pa.Table:
 class StepBatch:
     """A producer's rows, as sent to a buffer (one call of `try_add`).
 
-    Built by the rollout side with `StepBatch(records_to_table(records))`; the producer
-    splits the rows into their wire form (`WireRows`) when the batch is pickled, in parallel
-    with every other producer, so the buffer receives them ready to keep. The Arrow part
+    Built by the rollout side with `StepBatch.from_records(records)`, in wire form
+    (`WireRows`), in parallel with every other producer, so the buffer receives the rows
+    ready to keep; a batch made from a table is split when it is pickled. The Arrow part
     travels as one buffer (out-of-band under pickle protocol 5) and is read without copying.
     The two views, `table` (STEP_SCHEMA) and `wire`, are each built on first use, so neither
     side pays for the view it does not read; hence a small class, not a frozen dataclass.
@@ -390,6 +447,11 @@ class StepBatch:
         self._table = table  # STEP_SCHEMA rows, or None until asked for
         self._wire: WireRows | None = None
         self.wire_nbytes = wire_nbytes  # size of the Arrow message it was received as (0 = built in-process)
+
+    @classmethod
+    def from_records(cls, records: list[StepRecord]) -> StepBatch:
+        """The batch of `records`, built straight into wire form (`records_to_wire`)."""
+        return cls.received(records_to_wire(records), 0)
 
     @classmethod
     def received(cls, wire: WireRows, wire_nbytes: int) -> StepBatch:

@@ -16,7 +16,7 @@ from actors.episode import Advice, AdviceRequest, CoachRequest, ModelRoute
 from actors.engines.client import EngineClient
 from actors.rollout import RolloutActor, RolloutConfig
 from actors.workflows import WorkflowConfig
-from buffers.schema import RewardCommit, StepBatch, StepRecord, records_to_table
+from buffers.schema import RewardCommit, StepBatch, StepRecord
 from runtime.failures import ACTOR_GONE
 from runtime.logs import configure_logging
 
@@ -63,7 +63,7 @@ class RayRolloutPorts:
         rows are sent again only if that log shows they never arrived (no row twice).
         """
         buffer = self.buffers[model_id]
-        batch = StepBatch(records_to_table(records))
+        batch = StepBatch.from_records(records)
         deadline = time.monotonic() + BUFFER_RESTART_S
         while True:
             try:

@@ -14,9 +14,10 @@ and metrics read: group_key, episode_id, agent, turn, branch, candidate; a check
 asserts both hand out the same rows, batch by batch, byte for byte). Every phase is timed the
 same way for both, and all of them count:
 - produce (rollout process): pickling the message (pickle protocol 5, in-band, standing in
-  for Ray's serialiser). The ReplayBuffer's message is `StepBatch(records_to_table(records))`
-  as `runtime/rollout_host.py add_rows` builds it, split into wire form while pickled; the
-  baseline's is the list of records itself.
+  for Ray's serialiser). The ReplayBuffer's message is `StepBatch.from_records(records)`
+  as `runtime/rollout_host.py add_rows` builds it (straight into wire form); the
+  baseline's is the list of records itself. scripts/bench_datapath.py measures the whole
+  path from the engine's answer, through Ray's own serialiser.
 - insert (buffer actor): unpickle + add.
 - commit (buffer actor): unpickle + apply 64 `RewardCommit`s, the form the coach pool and
   the rollout actor send (an extra line gives the ReplayBuffer `RewardColumns` instead).
@@ -61,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from bench_env import dtype_header  # noqa: E402
 from buffers.replay import BufferConfig, ReplayBuffer  # noqa: E402
 from buffers.schema import (  # noqa: E402
-    RewardColumns, RewardCommit, StepBatch, StepRecord, group_key, new_id, records_to_table,
+    RewardColumns, RewardCommit, StepBatch, StepRecord, group_key, new_id,
 )
 
 TOKEN_COLUMNS = (("prompt_ids", np.int32), ("response_ids", np.int32),
@@ -223,7 +224,7 @@ def replay_side(capacity: int, wal_root: str | None = None) -> Side:
         if batch is not None and wal_root is not None:
             buf.settle_samples(VERSION + 1)  # the learner checkpointed: nothing kept for an undo
         return batch
-    return Side(new, lambda records: StepBatch(records_to_table(records)), add, sample, learner_view)
+    return Side(new, StepBatch.from_records, add, sample, learner_view)
 
 
 LIST_SIDE = Side(ListBuffer, lambda records: records, ListBuffer.add,
@@ -361,10 +362,10 @@ def report(rows: int, best: dict, memory: dict, raw: int) -> None:
     print(f"buffer actor only (insert + commit + sample, the serial part): "
           f"{sum(base[1:4]) / sum(arrow[1:4]):.1f}x; "
           f"producer side alone: {base[0] / arrow[0]:.2f}x "
-          "(ReplayBuffer's rollout process pays records_to_table + split)")
+          "(ReplayBuffer's rollout process pays StepBatch.from_records)")
     print("what differs:\n"
           "- messages: dict-of-lists gets the pickled StepRecords (4 numpy arrays per row, a\n"
-          "  group's shared prompt pickled once); ReplayBuffer a StepBatch (records_to_table\n"
+          "  group's shared prompt pickled once); ReplayBuffer a StepBatch (the wire form\n"
           "  copies the prompt into every row)\n"
           "- batches: dict-of-lists hands out what the learner reads (12 per-row columns + unit\n"
           "  offsets); ReplayBuffer the whole STEP_SCHEMA table (27 columns)\n"

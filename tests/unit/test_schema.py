@@ -90,3 +90,29 @@ def test_wire_form_round_trip():
     assert received.table.equals(table) and received.wire_nbytes > 0
     empty = pickle.loads(pickle.dumps(StepBatch(records_to_table([])), protocol=5))
     assert empty.table.num_rows == 0 and empty.table.schema == STEP_SCHEMA
+
+
+def test_records_go_straight_into_the_wire_form_that_splitting_their_table_gives():
+    """`records_to_wire` (what the rollout side sends) equals `split_rows(records_to_table)`."""
+    import dataclasses
+    import pickle
+
+    import pytest
+
+    from buffers.schema import BODY_SCHEMA, StepBatch, records_to_wire, split_rows
+
+    records = [_record(reward=0.5), _record(candidate=1, versions=(), agent="critic"),
+               _record(candidate=2, parent="0.1", turn=1), _record(candidate=3, versions=(4,))]
+    records[2] = dataclasses.replace(records[2], reward_local=-1.5, coach_score=0.25,
+                                     finish_reason="length", meta='{"tool": "run"}')
+    for rows in (records, records[:1], records[1:2]):
+        direct, split = records_to_wire(rows), split_rows(records_to_table(rows))
+        assert direct.step_ids == split.step_ids and direct.labels == split.labels
+        assert direct.scalars.tobytes() == split.scalars.tobytes()  # NaN for null rewards too
+        assert direct.body.schema.equals(BODY_SCHEMA) and direct.body.equals(split.body)
+        received = pickle.loads(pickle.dumps(StepBatch.from_records(rows), protocol=5))
+        assert received.table.equals(records_to_table(rows)) and received.wire_nbytes > 0
+    assert records_to_wire(records).scalars["behavior_version"].tolist() == [2, -1, 2, 4]
+    assert records_to_wire([]).body.num_rows == 0
+    with pytest.raises(ValueError, match="turn has nulls"):
+        records_to_wire([dataclasses.replace(records[0], turn=None)])
