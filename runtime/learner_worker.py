@@ -40,6 +40,39 @@ BUFFER_RESTART_S = 180.0  # how long calls to a buffer being restarted by Ray ar
 SYNC_TRIALS = 2  # weight_sync auto: timed syncs per path before the faster one is kept
 
 
+class SyncTrial:
+    """`weight_sync: auto` with every engine local: which path brings weights over faster.
+
+    The first syncs alternate disk and tensor (disk first) until each has `trials` timings
+    (syncs that had to write a folder count for disk); then the faster median is `choice`
+    for the rest of the run.
+    """
+
+    def __init__(self, trials: int = SYNC_TRIALS) -> None:
+        self.trials = trials
+        self.seconds: dict[str, list[float]] = {"disk": [], "tensor": []}
+        self.choice: str | None = None
+
+    def use_tensor(self) -> bool:
+        """Whether the next sync goes as tensors (decides once both paths have their trials)."""
+        if self.choice is None and min(map(len, self.seconds.values())) >= self.trials:
+            medians = self.medians()
+            self.choice = "tensor" if medians["tensor"] < medians["disk"] else "disk"
+        if self.choice is not None:
+            return self.choice == "tensor"
+        return len(self.seconds["tensor"]) < len(self.seconds["disk"])
+
+    def record(self, tensor: bool, seconds: float) -> None:
+        self.seconds["tensor" if tensor else "disk"].append(seconds)
+
+    def medians(self) -> dict[str, float]:
+        return {path: float(np.median(t)) for path, t in self.seconds.items() if t}
+
+    def summary(self) -> dict:
+        return {"path": self.choice, "trials": self.trials,
+                **{f"{p}_s": round(m, 4) for p, m in self.medians().items()}}
+
+
 @dataclass(frozen=True)
 class LearnerPeers:
     """The actor handles one learner talks to (STYLE §2: one typed bundle, not a list)."""
@@ -99,7 +132,7 @@ class LearnerWorker:
         self.disk_version = 0  # the newest version published as a folder
         self.tensor_syncs = 0  # steps whose weights went as shared-memory tensors
         self._tensor_ok: bool | str | None = None  # None until the first sync, "trial"
-        self._sync_trials: dict[str, list[float]] | None = None  # auto: seconds per path
+        self._sync_trial: SyncTrial | None = None  # auto with local engines: the timing
         self.sync_choice: dict | None = None  # auto's pick and the medians it compared
         self.staleness_sum = 0  # Σ staleness over every trained row (the run's mean)
         self.started_at = time.time()
@@ -285,19 +318,18 @@ class LearnerWorker:
             self.last_weights = ref.path
             self.disk_version = self.version
         done = time.perf_counter()
-        if self._sync_trials is not None:
-            self._sync_trials["tensor" if tensor else "disk"].append(done - started)
+        if self._sync_trial is not None:
+            self._sync_trial.record(tensor, done - started)
         return done - load_start
 
     async def _tensor_sync(self) -> bool:
         """Whether this step's weights go as tensors.
 
         `weight_sync: tensor` or `disk` decide. "auto": disk unless every engine runs on
-        this learner's host (asked once); if they do, the first steps alternate the two
-        paths (SYNC_TRIALS each, timed from the learner's state to every engine loaded) and
-        the faster median wins for the rest of the run. Which is faster depends on the model
-        size and what the engines are doing: on the tiny model in a run the folder wins, on
-        SmolLM2-135M with an idle engine the tensors (scripts/bench_weights.py).
+        this learner's host (asked once); if they do, `SyncTrial` times both paths on the
+        first steps and keeps the faster. Which is faster depends on the model size and what
+        the engines are doing: on the tiny model in a run the folder wins, on SmolLM2-135M
+        with an idle engine the tensors (scripts/bench_weights.py).
         """
         if self._tensor_ok is None:
             mode = self.cfg.weight_sync
@@ -306,26 +338,23 @@ class LearnerWorker:
                 self.calls["engines"] += len(self.engines)
                 nodes = await asyncio.gather(*(e.node_id.remote() for e in self.engines))
                 local = bool(self.engines) and all(n == here for n in nodes)
-                if not local:
-                    log.info("[%s] weight sync: disk (engines on %s, learner on %s)",
-                             self.model_id, sorted(set(nodes)), here)
-                    self._tensor_ok = False
-                    return False
-                self._sync_trials = {"disk": [], "tensor": []}
-                self._tensor_ok = "trial"
+                log.info("[%s] weight sync: %s (engines on %s, learner on %s)", self.model_id,
+                         "trying disk and tensor" if local else "disk", sorted(set(nodes)),
+                         here)
+                self._tensor_ok = "trial" if local else False
+                self._sync_trial = SyncTrial() if local else None
             else:
                 self._tensor_ok = mode == "tensor"
         if self._tensor_ok == "trial":
-            trials = self._sync_trials
-            if min(len(t) for t in trials.values()) < SYNC_TRIALS:
-                return len(trials["tensor"]) < len(trials["disk"])  # alternate, disk first
-            medians = {path: float(np.median(t)) for path, t in trials.items()}
-            self._tensor_ok = medians["tensor"] < medians["disk"]
-            self.sync_choice = {"path": "tensor" if self._tensor_ok else "disk",
-                                **{f"{p}_s": round(m, 4) for p, m in medians.items()}}
-            log.info("[%s] weight sync: %s (median of %d steps each: tensor %.3f s, disk "
-                     "%.3f s)", self.model_id, self.sync_choice["path"], SYNC_TRIALS,
-                     medians["tensor"], medians["disk"])
+            trial = self._sync_trial
+            tensor = trial.use_tensor()
+            if trial.choice is not None:
+                self._tensor_ok = tensor
+                self.sync_choice = trial.summary()
+                log.info("[%s] weight sync: %s (median of %d steps each: tensor %.3f s, disk "
+                         "%.3f s)", self.model_id, trial.choice, trial.trials,
+                         self.sync_choice["tensor_s"], self.sync_choice["disk_s"])
+            return tensor
         return bool(self._tensor_ok)
 
     async def finish_weights(self) -> None:
