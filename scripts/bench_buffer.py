@@ -40,7 +40,6 @@ peak memory are printed beside the plain buffer's.
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import json
 import pickle
@@ -49,17 +48,15 @@ import shutil
 import sys
 import tempfile
 import time
-import tracemalloc
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from bench_env import dtype_header  # noqa: E402
+from bench_env import HeldBytes, dtype_header  # noqa: E402
 from buffers.replay import BufferConfig, ReplayBuffer  # noqa: E402
 from buffers.schema import (  # noqa: E402
     RewardColumns, RewardCommit, StepBatch, StepRecord, group_key, new_id,
@@ -247,30 +244,20 @@ def run(side: Side, cuts: list, commit_messages: list, batch_units: int,
     start = clock()
     messages = [pickle.dumps(side.message(records), protocol=5) for records in cuts]
     times["produce"] = clock() - start
-    memory, arrow_peak = None, 0
-    if measure_memory:  # tracemalloc sees Python objects and numpy data; Arrow has its own pool
-        gc.collect()
-        arrow_before = pa.total_allocated_bytes()
-        tracemalloc.start()
-
-    def arrow_held():  # the pool's peak cannot be reset, so it is read after every message
-        nonlocal arrow_peak
-        if measure_memory:
-            arrow_peak = max(arrow_peak, pa.total_allocated_bytes() - arrow_before)
+    memory, meter = None, HeldBytes(measure_memory)
+    meter.start()
     start = clock()
     for message in messages:
         side.add(buf, pickle.loads(message))
-        arrow_held()
+        meter.note()
     times["insert"] = clock() - start
     start = clock()
     for message in commit_messages:
         buf.commit_rewards(pickle.loads(message))
-        arrow_held()
+        meter.note()
     times["commit"] = clock() - start
     if measure_memory:
-        gc.collect()
-        held = tracemalloc.get_traced_memory()[0] + pa.total_allocated_bytes() - arrow_before
-        memory = held, buf.stats().resident_bytes if isinstance(buf, ReplayBuffer) else None
+        memory = meter.held(), buf.stats().resident_bytes if isinstance(buf, ReplayBuffer) else None
     rows, digest = 0, hashlib.blake2b(digest_size=16)
     while True:
         start = clock()
@@ -284,10 +271,9 @@ def run(side: Side, cuts: list, commit_messages: list, batch_units: int,
         times["sample"] += received - start
         times["receive"] += done - received
         rows += checksum(out, digest)  # untimed
-        arrow_held()
+        meter.note()
     if measure_memory:
-        memory = (*memory, tracemalloc.get_traced_memory()[1] + arrow_peak)
-        tracemalloc.stop()
+        memory = (*memory, meter.stop())
     return tuple(times.values()), (rows, digest.hexdigest()), buf, memory
 
 

@@ -69,7 +69,6 @@ import pickle
 import random
 import sys
 import time
-import tracemalloc
 import uuid
 from collections import deque
 from dataclasses import dataclass
@@ -89,7 +88,7 @@ from actors.episode import Episode, ModelRoute, SamplingParams  # noqa: E402
 from bench_buffer import (  # noqa: E402
     INT_COLUMNS, LIST_COLUMNS, TOKEN_COLUMNS, checksum, learner_view,
 )
-from bench_env import cpu_model  # noqa: E402
+from bench_env import HeldBytes, cpu_model  # noqa: E402
 from buffers.replay import BufferConfig, ReplayBuffer  # noqa: E402
 from buffers.schema import RewardCommit, StepBatch, StepRecord, records_to_table  # noqa: E402
 
@@ -390,29 +389,19 @@ def run(side: Side, episodes: list[list[Call]], commits: list, wire, args, rows:
     # (some are in Arrow's pool) would lower the pool's count under the buffer's feet
     del records, message
     buf = side.new(rows)
-    memory, arrow_peak = None, 0
-    if measure_memory:  # tracemalloc sees Python objects and numpy data; Arrow has its own pool
-        gc.collect()
-        arrow_before = pa.total_allocated_bytes()
-        tracemalloc.start()
-
-    def arrow_held():  # the pool's peak cannot be reset, so it is read after every message
-        nonlocal arrow_peak
-        if measure_memory:
-            arrow_peak = max(arrow_peak, pa.total_allocated_bytes() - arrow_before)
+    meter = HeldBytes(measure_memory)
+    meter.start()
     start = clock()
     for message in sent:
         side.add(buf, wire.receive(message))
-        arrow_held()
+        meter.note()
     times["insert"] = clock() - start
     start = clock()
     for message in commits:
         buf.commit_rewards(wire.receive(message))
-        arrow_held()
+        meter.note()
     times["commit"] = clock() - start
-    if measure_memory:
-        gc.collect()
-        memory = tracemalloc.get_traced_memory()[0] + pa.total_allocated_bytes() - arrow_before
+    memory = meter.held()
     trained, digest = 0, hashlib.blake2b(digest_size=16)
     while True:
         start = clock()
@@ -426,10 +415,9 @@ def run(side: Side, episodes: list[list[Call]], commits: list, wire, args, rows:
         times["sample"] += received - start
         times["receive"] += done - received
         trained += checksum(out, digest)  # untimed
-        arrow_held()
+        meter.note()
     if measure_memory:
-        memory = (memory, tracemalloc.get_traced_memory()[1] + arrow_peak)
-        tracemalloc.stop()
+        memory = (memory, meter.stop())
     return times, json_s, (trained, digest.hexdigest()), memory
 
 

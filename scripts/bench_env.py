@@ -35,3 +35,57 @@ def dtype_header(device: str = "cpu") -> tuple[DtypeChoice, str]:
             f"load average {load} (other jobs share them)\n"
             f"dtype auto on {device} -> {choice.dtype}: {choice.reason}")
     return choice, text
+
+
+class HeldBytes:
+    """Bytes a benchmark side holds, measured alike for every side: tracemalloc (Python
+    objects and numpy data) plus Arrow's memory pool, counted from `start`.
+
+    Arrow's pool has no resettable peak, so `note` reads it after every message; `peak` is
+    tracemalloc's peak plus the highest pool reading. Does nothing when `on` is False.
+    """
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self.arrow_before = 0
+        self.arrow_peak = 0
+
+    def start(self) -> None:
+        if self.on:
+            import gc
+            import tracemalloc
+
+            import pyarrow as pa
+
+            gc.collect()
+            self.arrow_before = pa.total_allocated_bytes()
+            tracemalloc.start()
+
+    def note(self) -> None:
+        if self.on:
+            import pyarrow as pa
+
+            self.arrow_peak = max(self.arrow_peak,
+                                  pa.total_allocated_bytes() - self.arrow_before)
+
+    def held(self) -> int | None:
+        """Bytes allocated now (after a collection); None when off."""
+        if not self.on:
+            return None
+        import gc
+        import tracemalloc
+
+        import pyarrow as pa
+
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] + pa.total_allocated_bytes() - self.arrow_before
+
+    def stop(self) -> int | None:
+        """The peak bytes, and tracemalloc stopped; None when off."""
+        if not self.on:
+            return None
+        import tracemalloc
+
+        peak = tracemalloc.get_traced_memory()[1] + self.arrow_peak
+        tracemalloc.stop()
+        return peak
