@@ -4,8 +4,9 @@ Each step: read η from the clock (its one live copy, DESIGN §5), await the old
 under that bound from the buffer (no polling: `BufferActor.sample_for_learner` waits for
 arrivals and also hands back the dropped units and its counters), compute advantages
 (§6), run the backend's `train_step` (proximal logprobs + decoupled PPO with the behaviour
-correction), publish HF safetensors for version v+1, have every engine of the model load them,
-and tell the clock. Every `checkpoint_every` steps (or on request) the learner's state goes to
+correction), bring every engine of the model to version v+1 (a HF safetensors folder they
+load, or the tensors through shared memory where they share this host: `weight_sync`), and
+tell the clock. Every `checkpoint_every` steps (or on request) the learner's state goes to
 `checkpoints/<model>/v<N>/` with the clock's counters (DESIGN §10); `restore` resumes from one.
 Blocking compute runs in a worker thread so the actor keeps answering while it trains.
 """
