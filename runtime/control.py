@@ -23,7 +23,7 @@ import ray
 from runtime.bus import (Checkpoint, CoachControl, Command, Pause, Resume, ScaleRollout,
                          SetStaleness, Stop)
 from runtime.failures import ACTOR_GONE
-from runtime.staleness import Decision, StalenessPilot
+from runtime.staleness import Decision, StalenessPilot, coach_capacity
 
 if TYPE_CHECKING:
     from runtime.bus_service import BusService
@@ -52,7 +52,8 @@ class RunControl:
         self._versions: dict[str, int] = {m: 0 for m in run.cfg.models}
         self._steps_at = 0.0
         self._rate: deque[tuple[float, int]] = deque(maxlen=64)  # (time, episodes) samples
-        self.pilot = StalenessPilot({m: mc.learner for m, mc in run.cfg.models.items()})
+        self.pilot = StalenessPilot({m: mc.learner for m, mc in run.cfg.models.items()},
+                                    coach_rows=coach_capacity(run.cfg))
         self.staleness_changes: list[dict] = []  # every η the pilot set (the run summary)
 
     # ------------------------------------------------------------------ commands

@@ -23,6 +23,12 @@ never goes back to an η whose window waited too long while W / S is still as hi
 counts as above the target only past a tolerance (`tolerance`, one point of share by default):
 a measured share sitting on the target is noise.
 
+The coach has a capacity of its own: it scores at most `coach.max_concurrency` rows at once
+(and each HTTP judge its own `max_concurrency`). With (η + 1) steps' rows in flight, an η above
+⌈coach rows / rows per step⌉ only queues rows for their scores: more staleness, no more
+throughput (bench_async's 10 s cells trained ~5 rows/s at η 2 and at η 8 alike). That is the
+coach ceiling: no raise goes above it, and an η above it is lowered to it at once.
+
 `AutoStaleness.update(sample)` is a plain function of the samples it has seen: the driver
 feeds it one `RateSample` a window per model and applies what it returns (the clock's
 `set_max_staleness`, the bus, TensorBoard).
@@ -42,6 +48,7 @@ class RateSample:
     wait_s: float  # learner time per step spent waiting for a ready batch
     unit_latency_s: float  # a unit's admission -> READY: generation plus coach latency
     eta: int  # η in force during the window
+    rows_per_step: float = 0.0  # rows a learner step trains (0: unknown, no coach ceiling)
 
     @property
     def wait_share(self) -> float:
@@ -61,13 +68,18 @@ class AutoStaleness:
     """η from measured rates for one model; see the module docstring."""
 
     def __init__(self, cap: int, target_wait: float = 0.1, floor: int = 0,
-                 patience: int = 3, tolerance: float = 0.01) -> None:
+                 patience: int = 3, tolerance: float = 0.01,
+                 coach_rows: int | None = None) -> None:
         """Args:
             cap: the largest η it may choose (the user's hard bound on staleness).
             target_wait: the learner's waiting share to stay under, in [0, 1).
             floor: the smallest η it may choose.
             patience: windows in a row that must all want a smaller η before it lowers.
             tolerance: how far above `target_wait` a measured share must be to count.
+            coach_rows: rows the coach scores at once for this model (None: no limit known,
+                or the coach runs inside episodes). With (η + 1) steps' rows in flight, an η
+                above ⌈coach_rows / rows per step⌉ only queues rows at the coach: more
+                staleness, no more throughput. That is the coach ceiling.
         """
         if not 0 <= floor <= cap:
             raise ValueError(f"auto staleness: need 0 <= floor ({floor}) <= cap ({cap})")
@@ -76,6 +88,7 @@ class AutoStaleness:
         if patience < 1:
             raise ValueError(f"auto staleness: patience={patience} must be >= 1")
         self.cap, self.floor = cap, floor
+        self.coach_rows = coach_rows
         self.target_wait, self.patience, self.tolerance = target_wait, patience, tolerance
         self._lower_votes = 0
         self._last_raise: tuple[int, float] | None = None  # (η before it, wait share then)
@@ -88,9 +101,22 @@ class AutoStaleness:
         return max(0, math.ceil((1 - self.target_wait) * sample.unit_latency_s
                                 / sample.step_s - 1e-9) - 1)
 
+    def coach_ceiling(self, sample: RateSample) -> int | None:
+        """⌈coach_rows / rows per step⌉ (at least the floor), or None when unknown."""
+        if not self.coach_rows or sample.rows_per_step <= 0:
+            return None
+        return max(self.floor, math.ceil(self.coach_rows / sample.rows_per_step - 1e-9))
+
     def update(self, sample: RateSample) -> Decision | None:
         """The η to set after this window, or None to keep `sample.eta`."""
         current, wait = sample.eta, sample.wait_share
+        ceiling = self.coach_ceiling(sample)
+        if ceiling is not None and current > ceiling:
+            self._lower_votes, self._last_raise = 0, None
+            return Decision(ceiling, (
+                f"lower {current} -> {ceiling} (the coach ceiling): the coach scores "
+                f"{self.coach_rows} rows at once and a step trains {sample.rows_per_step:.0f}; "
+                f"a larger η only queues rows for their scores (measured wait {wait:.0%})"))
         ratio = sample.unit_latency_s / sample.step_s if sample.step_s > 0 else 0.0
         if self._too_low is not None and ratio < 0.9 * self._too_low[1]:
             self._too_low = None  # units got faster relative to steps: try the model again
@@ -110,6 +136,10 @@ class AutoStaleness:
             basis += "; wait above target, one more"
         if self._too_low is not None:
             want = max(want, self._too_low[0] + 1)
+        if ceiling is not None and want > ceiling:
+            want = ceiling
+            basis += (f"; held at the coach ceiling {ceiling} ({self.coach_rows} rows scored "
+                      f"at once, {sample.rows_per_step:.0f} a step)")
         want = min(max(want, self.floor), self.cap)
         if want > current:
             self._lower_votes = 0
@@ -144,11 +174,14 @@ class StalenessPilot:
     again, which starts a fresh controller.
     """
 
-    def __init__(self, learners: dict) -> None:
+    def __init__(self, learners: dict, coach_rows: int | None = None) -> None:
         """Args:
             learners: model_id -> LearnerConfig (those with `auto_staleness` start on auto).
+            coach_rows: rows the coach scores at once, shared by every model (None: no
+                ceiling; `coach_capacity` gives it from a run's config).
         """
         self.configs = dict(learners)
+        self.coach_rows = coach_rows
         self.controllers: dict[str, AutoStaleness] = {}
         self._window: dict[str, list[dict]] = {}
         self._skip_next: set[str] = set()
@@ -164,8 +197,9 @@ class StalenessPilot:
         """Put `model_id` on auto (again), with its config's target and cap (or `cap`)."""
         cfg = self.configs[model_id]
         cap = cfg.staleness_cap if cap is None else cap
+        share = None if self.coach_rows is None else max(1, self.coach_rows // len(self.configs))
         self.controllers[model_id] = AutoStaleness(cap=cap, target_wait=cfg.staleness_target_wait,
-                                                    floor=0)
+                                                    floor=0, coach_rows=share)
         self._window[model_id] = []
         self._expect.pop(model_id, None)
         self._skip_next.add(model_id)
@@ -209,7 +243,8 @@ class StalenessPilot:
             step_s=sum(s["step_s"] for s in window) / n,
             wait_s=sum(s["wait_s"] for s in window) / n,
             unit_latency_s=(round_s or 0.0) + sum(s["ready_wait_s"] for s in window) / n,
-            eta=int(step["max_staleness"]))
+            eta=int(step["max_staleness"]),
+            rows_per_step=sum(s.get("rows", 0) for s in window) / n)
         window.clear()
         decision = controller.update(sample)
         self.windows.append({"model": model_id, "version": int(step["version"]),
@@ -221,3 +256,16 @@ class StalenessPilot:
             self._expect[model_id] = decision.eta
             self._skip_next.add(model_id)
         return decision
+
+
+def coach_capacity(cfg) -> int | None:
+    """Rows a run's coach scores at once, outside the episodes; None when it scores inside
+    them (`rollout.sync_coach`: no queue of rows to fill). The pool's `max_concurrency`,
+    and for HTTP judges also each endpoint's (every row asks every judge of the ensemble)."""
+    if cfg.rollout.sync_coach:
+        return None
+    coach = cfg.coach
+    limits = [coach.max_concurrency]
+    if coach.kind == "http":
+        limits += [e.max_concurrency for e in coach.endpoints]
+    return min(limits)

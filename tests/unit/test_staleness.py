@@ -243,3 +243,52 @@ def test_steps_sampled_before_a_change_reached_the_clock_start_no_window():
     assert pilot.observe("policy", step(8, 3, wait_s=0.1), 1.0) is None
     assert pilot.observe("policy", step(9, 3, wait_s=0.1), 1.0) is None  # a window: steady
     assert [w["version"] for w in pilot.windows] == [3, 9]
+
+
+# ---------------------------------------------------------------- the coach ceiling
+BENCH_ROWS_PER_STEP = 16  # bench_async's arith_duo: 4 units a step, 4 rows a unit
+
+
+def replay_with(latency: str, coach_rows: int | None) -> list[tuple[int, str]]:
+    """The recorded windows of one latency with the η this controller itself would have had
+    in force (the measured rates as recorded); the decisions it makes, with their reasons."""
+    auto = AutoStaleness(cap=8, target_wait=0.1, coach_rows=coach_rows)
+    eta, decisions = TRACES[latency][0]["eta"], []
+    for w in TRACES[latency]:
+        decision = auto.update(RateSample(w["step_s"], w["wait_s"], w["unit_latency_s"], eta,
+                                          rows_per_step=BENCH_ROWS_PER_STEP))
+        if decision is not None:
+            eta = decision.eta
+            decisions.append((eta, decision.reason))
+    return decisions
+
+
+def test_the_coach_ceiling_holds_eta_where_more_only_queues_rows_at_the_coach():
+    # 64 rows scored at once, 16 a step: more than ceil(64 / 16) = 4 steps' rows in flight
+    # only wait for their scores (the 10 s cells trained ~5 rows/s at η 2 and at η 8 alike).
+    decisions = replay_with("10", coach_rows=64)
+    assert decisions[0][0] == 4 and "coach ceiling 4" in decisions[0][1]
+    assert all(eta <= 4 for eta, _ in decisions)
+    # A coach wide enough leaves the recorded decisions as they were (up to the cap).
+    assert replay_with("10", coach_rows=512)[0][0] == 8
+    # Started above the ceiling (a user's cap, a wider coach before): lowered at once.
+    auto = AutoStaleness(cap=8, coach_rows=64)
+    decision = auto.update(RateSample(0.2, 2.0, 12.0, 8, rows_per_step=16))
+    assert decision.eta == 4 and decision.reason.startswith("lower 8 -> 4 (the coach ceiling)")
+    # Unknown rows per step (older step records): no ceiling.
+    assert AutoStaleness(cap=8, coach_rows=64).coach_ceiling(RateSample(0.2, 2, 12, 1)) is None
+
+
+def test_coach_capacity_from_the_run_config():
+    from runtime.config import load_config
+    from runtime.staleness import coach_capacity
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(root / "configs" / "arith_duo_tiny.yaml", ["coach.max_concurrency=48"])
+    assert coach_capacity(cfg) == 48
+    inline = load_config(root / "configs" / "arith_duo_tiny.yaml", ["rollout.sync_coach=true"])
+    assert coach_capacity(inline) is None  # scored inside episodes: no queue to fill
+    judge = load_config(root / "configs" / "arith_duo_tiny.yaml", [
+        "coach.kind=http", "coach.endpoints=[{base_url: 'http://127.0.0.1:9/v1', model: j, "
+        "max_concurrency: 12}]"])
+    assert coach_capacity(judge) == 12  # every row asks every judge
