@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,11 +25,12 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
 from actors.engines.supervision import (
-    ProgressWatch, RestartBudget, UpdateGate, free_port, is_zombie,
+    ProgressWatch, RestartBudget, UpdateGate, free_port, is_zombie, port_is_free,
 )
 
 log = logging.getLogger(__name__)
@@ -150,17 +150,6 @@ def serialize_weights(named_tensors) -> str:
 
 class _PortTaken(RuntimeError):
     """The server exited during startup because another process held its port."""
-
-
-def _port_is_free(port: int) -> bool:
-    """Whether `port` can be bound on loopback (SO_REUSEADDR, as the server binds it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def _kill_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
@@ -474,28 +463,16 @@ class SGLangEngine:
         folder and says so with its version (`disk_version`).
         `scripts/bench_weights.py` measures it against `update_weights_from_disk`.
         """
-        with self._gate.updating():
-            started = time.perf_counter()
+        def send() -> httpx.Response:
+            self._control("begin_weight_update", {})
             try:
-                self._control("begin_weight_update", {})
-                try:
-                    response = self._paused_post("update_weights_from_tensor", {
-                        "serialized_named_tensors": [payload], "weight_version": str(version)})
-                finally:
-                    self._control("end_weight_update", {})
-            except httpx.TransportError as err:
-                if self.is_alive():
-                    raise
-                self._restart(f"unreachable during weight update ({err!r}); back on "
-                              f"{self.weights_path} (v{self.disk_version})")
-                return {"success": True, "update_s": time.perf_counter() - started,
-                        "message": f"restarted on the folder's weights, v{self.disk_version}",
-                        "num_paused_requests": 0}
-            body = self._update_answer(response, None, version)
-            body["update_s"] = time.perf_counter() - started
-            self.updates += 1
-            self.update_seconds += body["update_s"]
-            return body
+                return self._paused_post("update_weights_from_tensor", {
+                    "serialized_named_tensors": [payload], "weight_version": str(version)})
+            finally:
+                self._control("end_weight_update", {})
+
+        with self._gate.updating():
+            return self._apply_update(send, None, version)
 
     def node_id(self) -> str:
         """The Ray node this engine runs on ("" outside Ray): tensor sync needs the same host."""
@@ -516,20 +493,30 @@ class SGLangEngine:
 
     def _load_weights(self, path: Path, version: int) -> dict:
         """update_weights_from_disk under the lifecycle lock (paused around it in "continue")."""
+        return self._apply_update(lambda: self._paused_post("update_weights_from_disk", {
+            "model_path": str(path), "weight_version": str(version)}), path, version)
+
+    def _apply_update(self, send: Callable[[], httpx.Response], path: Path | None,
+                      version: int) -> dict:
+        """One weight update (`send` posts it): the server's answer checked and counted.
+
+        A server found dead meanwhile is restarted instead of failing the learner step: on
+        folder `path` as `version` when the update was one, else on its last folder.
+        """
         started = time.perf_counter()
         try:
-            response = self._paused_post("update_weights_from_disk", {
-                "model_path": str(path), "weight_version": str(version)})
+            response = send()
         except httpx.TransportError as err:
             if self.is_alive():
                 raise
-            # The server died (or was killed) between two updates: restart it directly on
-            # the new weights instead of failing the learner step.
-            self.weights_path = path
-            self.disk_version = self.weight_version = version
-            self._restart(f"unreachable during weight update ({err!r}); loading {path}")
-            return {"success": True, "message": "restarted on the new weights",
-                    "num_paused_requests": 0, "update_s": time.perf_counter() - started}
+            if path is not None:
+                self.weights_path = path
+                self.disk_version = self.weight_version = version
+            self._restart(f"unreachable during weight update ({err!r}); loading "
+                          f"{self.weights_path} (v{self.disk_version})")
+            return {"success": True, "num_paused_requests": 0,
+                    "message": f"restarted on the folder's weights, v{self.disk_version}",
+                    "update_s": time.perf_counter() - started}
         body = self._update_answer(response, path, version)
         body["update_s"] = time.perf_counter() - started
         self.updates += 1
@@ -652,7 +639,7 @@ class SGLangEngine:
         if port is None:
             return False
         deadline = time.monotonic() + timeout_s
-        while not _port_is_free(port):
+        while not port_is_free(port):
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.5)

@@ -50,8 +50,10 @@ def _ephemeral_low(default: int = 32768) -> int:
         return default
 
 
-def _bindable(port: int) -> bool:
+def port_is_free(port: int) -> bool:
+    """Whether `port` can be bound on loopback (SO_REUSEADDR, as the servers bind it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:
@@ -69,7 +71,7 @@ def free_port(tries: int = 64) -> int:
     if low - _PORTS_FROM >= 1000:
         for _ in range(tries):
             port = _PORT_RNG.randrange(_PORTS_FROM, low)
-            if _bindable(port):
+            if port_is_free(port):
                 return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
