@@ -132,9 +132,9 @@ class LearnerWorker:
         self.last_sync_s = 0.0  # weights written + loaded by the engines, last step
         self.disk_version = 0  # the newest version published as a folder
         self.tensor_syncs = 0  # steps whose weights went as shared-memory tensors
-        self._tensor_ok: bool | str | None = None  # None until the first sync, "trial"
+        # "disk", "tensor", or "trial" while auto times both; None until the first sync
+        self._sync_path: str | None = None
         self._sync_trial: SyncTrial | None = None  # auto with local engines: the timing
-        self.sync_choice: dict | None = None  # auto's pick and the medians it compared
         self.staleness_sum = 0  # Σ staleness over every trained row (the run's mean)
         self.started_at = time.time()
         self.last_weights: str | None = None
@@ -255,11 +255,7 @@ class LearnerWorker:
             if old.name[1:].isdigit() and int(old.name[1:]) >= self.version:
                 shutil.rmtree(old)
         # engines restart from the base weights: they must serve the checkpoint's version
-        ref = await asyncio.to_thread(self.learner.publish_weights, self.version)
-        self.calls["engines"] += len(self.engines)
-        await asyncio.gather(*(e.update_weights_from_disk.remote(ref.path, self.version)
-                               for e in self.engines))
-        self.last_weights, self.disk_version = ref.path, self.version
+        await self._sync_weights(to_disk=True)
         self._audit({"resumed_from": self.version, "at": time.time()})
         log.info("[%s] restored v%d from %s", self.model_id, self.version, path)
         return meta
@@ -319,7 +315,7 @@ class LearnerWorker:
             self.last_weights = ref.path
             self.disk_version = self.version
         done = time.perf_counter()
-        if self._sync_trial is not None:
+        if self._sync_path == "trial":
             self._sync_trial.record(tensor, done - started)
         return done - load_start
 
@@ -332,31 +328,35 @@ class LearnerWorker:
         the engines are doing: on the tiny model in a run the folder wins, on SmolLM2-135M
         with an idle engine the tensors (scripts/bench_weights.py).
         """
-        if self._tensor_ok is None:
-            mode = self.cfg.weight_sync
-            if mode == "auto":
-                here = ray.get_runtime_context().get_node_id()
-                self.calls["engines"] += len(self.engines)
-                nodes = await asyncio.gather(*(e.node_id.remote() for e in self.engines))
-                local = bool(self.engines) and all(n == here for n in nodes)
-                log.info("[%s] weight sync: %s (engines on %s, learner on %s)", self.model_id,
-                         "trying disk and tensor" if local else "disk", sorted(set(nodes)),
-                         here)
-                self._tensor_ok = "trial" if local else False
-                self._sync_trial = SyncTrial() if local else None
-            else:
-                self._tensor_ok = mode == "tensor"
-        if self._tensor_ok == "trial":
-            trial = self._sync_trial
-            tensor = trial.use_tensor()
-            if trial.choice is not None:
-                self._tensor_ok = tensor
-                self.sync_choice = trial.summary()
-                log.info("[%s] weight sync: %s (median of %d steps each: tensor %.3f s, disk "
-                         "%.3f s)", self.model_id, trial.choice, trial.trials,
-                         self.sync_choice["tensor_s"], self.sync_choice["disk_s"])
-            return tensor
-        return bool(self._tensor_ok)
+        if self._sync_path is None:
+            self._sync_path = await self._first_sync_path()
+        if self._sync_path != "trial":
+            return self._sync_path == "tensor"
+        trial = self._sync_trial
+        tensor = trial.use_tensor()
+        if trial.choice is not None:
+            self._sync_path = trial.choice
+            medians = trial.medians()
+            log.info("[%s] weight sync: %s (median of %d steps each: tensor %.3f s, disk "
+                     "%.3f s)", self.model_id, trial.choice, trial.trials, medians["tensor"],
+                     medians["disk"])
+        return tensor
+
+    async def _first_sync_path(self) -> str:
+        """"disk" or "tensor" as configured; for "auto", "disk" unless every engine runs on
+        this learner's host, else "trial" (a fresh `SyncTrial`)."""
+        if self.cfg.weight_sync != "auto":
+            return self.cfg.weight_sync
+        here = ray.get_runtime_context().get_node_id()
+        self.calls["engines"] += len(self.engines)
+        nodes = await asyncio.gather(*(e.node_id.remote() for e in self.engines))
+        local = bool(self.engines) and all(n == here for n in nodes)
+        log.info("[%s] weight sync: %s (engines on %s, learner on %s)", self.model_id,
+                 "trying disk and tensor" if local else "disk", sorted(set(nodes)), here)
+        if not local:
+            return "disk"
+        self._sync_trial = SyncTrial()
+        return "trial"
 
     async def finish_weights(self) -> None:
         """Write the folder of the last version if tensor sync left it only in memory."""
@@ -465,7 +465,9 @@ class LearnerWorker:
                 "rows_trained": self.rows_trained, "busy_s": self.busy_s,
                 "wait_s": self.wait_s, "elapsed_s": self.elapsed(),
                 "busy_fraction": self.busy_fraction(), "weights": self.last_weights,
-                "tensor_syncs": self.tensor_syncs, "weight_sync": self.sync_choice,
+                "tensor_syncs": self.tensor_syncs,
+                "weight_sync": (self._sync_trial.summary() if self._sync_trial is not None
+                                and self._sync_trial.choice is not None else None),
                 "staleness_mean": self.staleness_sum / max(self.rows_trained, 1),
                 "actor_calls": dict(self.calls),
                 "actor_calls_per_step": sum(self.calls.values()) / max(self.version, 1),
