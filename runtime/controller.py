@@ -171,6 +171,10 @@ class Run:
                              self.metrics),
                 LearnerFiles(str(self.run_dir), pad_id, cfg.run.keep_weights,
                              cfg.run.checkpoint_every, cfg.run.keep_checkpoints))
+        # a restarting engine asks its learner for a folder of the newest weights
+        get_within([e.set_weights_source.remote(self.learners[m])
+                    for m, es in self.engines.items() for e in es], SETUP_TIMEOUT_S,
+                   "engines (weights source)")
         self.urls = urls
         self.buffer_incarnations = {m: get_within(b.incarnation.remote(), SETUP_TIMEOUT_S,
                                                   f"buffer {m} (recovering its log)")
@@ -393,7 +397,8 @@ class Run:
             **self.slow_calls.scalars(),
         }
         for name, stats in now.engines.items():
-            for key in ("restarts", "busy_probes", "port_moves", "last_progress_age_s"):
+            for key in ("restarts", "behind_restarts", "busy_probes", "port_moves",
+                        "last_progress_age_s"):
                 scalars[f"perf/engines/{name}/{key}"] = float(stats[key])
         self.metrics.scalars.remote(scalars)
         self.control.publish_status(now, rate)

@@ -132,6 +132,10 @@ class LearnerWorker:
         self.last_sync_s = 0.0  # weights written + loaded by the engines, last step
         self.disk_version = 0  # the newest version published as a folder
         self.tensor_syncs = 0  # steps whose weights went as shared-memory tensors
+        self.restart_folders = 0  # folders written for a restarting engine (weights_folder)
+        # held while the parameters change (a train step) or a folder is written: a folder
+        # asked for by a restarting engine never holds half a step
+        self._weights_lock = asyncio.Lock()
         # "disk", "tensor", or "trial" while auto times both; None until the first sync
         self._sync_path: str | None = None
         self._sync_trial: SyncTrial | None = None  # auto with local engines: the timing
@@ -255,6 +259,7 @@ class LearnerWorker:
             if old.name[1:].isdigit() and int(old.name[1:]) >= self.version:
                 shutil.rmtree(old)
         # engines restart from the base weights: they must serve the checkpoint's version
+        self.last_weights = None  # its folder, if any, was removed above
         await self._sync_weights(to_disk=True)
         self._audit({"resumed_from": self.version, "at": time.time()})
         log.info("[%s] restored v%d from %s", self.model_id, self.version, path)
@@ -267,9 +272,10 @@ class LearnerWorker:
         # advantages (with the reference KL in the reward when reward_kl_beta > 0) and tensors
         train_batch, advantages, extra = await asyncio.to_thread(
             prepare_batch, self.learner, self.cfg, table, self.pad_id)
-        train = await asyncio.to_thread(self.learner.train_step, train_batch)
+        async with self._weights_lock:
+            train = await asyncio.to_thread(self.learner.train_step, train_batch)
+            self.version += 1
         train.update(extra)
-        self.version += 1
         sync_start = time.perf_counter()
         publish_s = await self._sync_weights(
             to_disk=self.version % self.cfg.weights_to_disk_every == 0)
@@ -307,17 +313,40 @@ class LearnerWorker:
             del state  # the engines copied the tensors: the shared memory may go now
             self.tensor_syncs += 1
         else:
-            ref = await asyncio.to_thread(self.learner.publish_weights, self.version)
+            path, _, _ = await self._write_folder()
             load_start = time.perf_counter()
             self.calls["engines"] += len(self.engines)
-            await asyncio.gather(*(e.update_weights_from_disk.remote(ref.path, self.version)
+            await asyncio.gather(*(e.update_weights_from_disk.remote(path, self.version)
                                    for e in self.engines))
-            self.last_weights = ref.path
-            self.disk_version = self.version
         done = time.perf_counter()
         if self._sync_path == "trial":
             self._sync_trial.record(tensor, done - started)
         return done - load_start
+
+    async def _write_folder(self) -> tuple[str, int, bool]:
+        """The folder of the current version, that version, and whether this call wrote it:
+        published unless it is already (versions are immutable); one writer at a time,
+        never mid-step."""
+        async with self._weights_lock:
+            if self.disk_version == self.version and self.last_weights is not None:
+                return self.last_weights, self.version, False
+            ref = await asyncio.to_thread(self.learner.publish_weights, self.version)
+            self.last_weights, self.disk_version = ref.path, self.version
+            return ref.path, self.version, True
+
+    async def weights_folder(self) -> tuple[str, int]:
+        """The folder of this learner's current weights and its version, written now if
+        tensor sync left them only in memory.
+
+        A restarting engine asks for it (`SGLangEngine.set_weights_source`): its server
+        loads weights from a folder, and the last folder may be `weights_to_disk_every`
+        steps old; rows sampled on those would come back too stale to train.
+        """
+        path, version, wrote = await self._write_folder()
+        if wrote:
+            self.restart_folders += 1
+            log.info("[%s] v%d written for a restarting engine", self.model_id, version)
+        return path, version
 
     async def _tensor_sync(self) -> bool:
         """Whether this step's weights go as tensors.
@@ -465,7 +494,7 @@ class LearnerWorker:
                 "rows_trained": self.rows_trained, "busy_s": self.busy_s,
                 "wait_s": self.wait_s, "elapsed_s": self.elapsed(),
                 "busy_fraction": self.busy_fraction(), "weights": self.last_weights,
-                "tensor_syncs": self.tensor_syncs,
+                "tensor_syncs": self.tensor_syncs, "restart_folders": self.restart_folders,
                 "weight_sync": (self._sync_trial.summary() if self._sync_trial is not None
                                 and self._sync_trial.choice is not None else None),
                 "staleness_mean": self.staleness_sum / max(self.rows_trained, 1),

@@ -209,6 +209,11 @@ class SGLangEngine:
         self.startup_seconds: float | None = None  # duration of the last successful start
         self.port_moves = 0  # starts that found their port taken and moved to another
         self.updates = 0  # weight updates answered by the server (restarts not counted)
+        # restarts that asked the weights source for a folder of the served version, and
+        # those that got none and came back on older weights (a logged error each)
+        self.restart_folders = 0
+        self.behind_restarts = 0
+        self._weights_source = None  # the learner actor of this model (set_weights_source)
         self.update_seconds = 0.0  # their total time, pause and continue included
         self._port: int | None = None
         self._proc: subprocess.Popen | None = None
@@ -335,11 +340,23 @@ class SGLangEngine:
         finally:
             self._lifecycle.release()
 
+    def set_weights_source(self, learner) -> None:
+        """The learner actor (`runtime.learner_worker.LearnerWorker`) a restart asks for a
+        folder of the newest weights.
+
+        The server loads weights at start from a folder, but tensor updates leave the
+        served version only in memory: without a source a restart would come back on the
+        last folder, up to `weights_to_disk_every` versions old.
+        """
+        self._weights_source = learner
+
     def stats(self) -> dict:
         """Supervision counters for the run summary and TensorBoard (all numbers)."""
         return {"restarts": self.restarts, "restarts_last_hour": self._restart_budget.recent(),
                 "busy_probes": self.busy_probes, "port_moves": self.port_moves,
                 "unflushed_updates": self.unflushed_updates, "updates": self.updates,
+                "restart_folders": self.restart_folders,
+                "behind_restarts": self.behind_restarts,
                 "update_seconds": self.update_seconds,
                 "last_progress_age_s": time.monotonic() - self._progress.last_progress,
                 "weight_version": self.weight_version,
@@ -408,8 +425,10 @@ class SGLangEngine:
                             self.model_id, failure, idle_s, self.cfg.unresponsive_s)
         return False
 
-    def _restart(self, reason: str) -> str:
-        """Stop what is left of the server and start it on the current weights and version."""
+    def _restart(self, reason: str, served: int | None = None) -> str:
+        """Stop what is left of the server and start it on the newest weights: the last
+        folder, or, when the server served a newer version (`served`: the one being loaded
+        when it died) from memory, a folder of it asked from the weights source."""
         if not self._restart_budget.take(self.cfg.max_restarts_per_hour):
             raise RuntimeError(
                 f"engine {self.model_id} is down ({reason}) and was already restarted "
@@ -422,12 +441,38 @@ class SGLangEngine:
                     self.cfg.max_restarts_per_hour)
         self.stop()
         self.restarts += 1
+        self._newest_folder(max(self.weight_version, served or 0))
         if not self._wait_port_free(self._port, timeout_s=15.0):
             old = self._port
             self._port = free_port()
             log.warning("port %s still taken; %s moves to port %d", old, self.model_id,
                         self._port)
         return self._start()
+
+    def _newest_folder(self, served: int) -> None:
+        """Point the next start at a folder of version `served` or newer when the last
+        folder is older: asked of the weights source (which writes it), waiting at most
+        `cfg.weight_update_timeout_s`. Without one, the restart serves the older folder: a
+        logged, counted outcome (`behind_restarts`), whose rows may come back too stale."""
+        if served <= self.disk_version:
+            return
+        import ray
+
+        try:
+            if self._weights_source is None:
+                raise LookupError("no weights source is set (set_weights_source)")
+            path, version = ray.get(self._weights_source.weights_folder.remote(),
+                                    timeout=self.cfg.weight_update_timeout_s)
+        except (LookupError, ray.exceptions.RayError) as err:
+            self.behind_restarts += 1
+            log.error("engine %s: served v%d from memory, but restarts on the folder of "
+                      "v%d: no newer folder (%r)", self.model_id, served, self.disk_version,
+                      err)
+            return
+        self.restart_folders += 1
+        self.weights_path, self.disk_version = Path(path), int(version)
+        log.warning("engine %s: served v%d from memory; restarts on the folder of v%d (%s)",
+                    self.model_id, served, self.disk_version, path)
 
     # ------------------------------------------------------------------ weights
 
@@ -512,10 +557,9 @@ class SGLangEngine:
             if path is not None:
                 self.weights_path = path
                 self.disk_version = self.weight_version = version
-            self._restart(f"unreachable during weight update ({err!r}); loading "
-                          f"{self.weights_path} (v{self.disk_version})")
+            self._restart(f"unreachable during weight update ({err!r})", served=version)
             return {"success": True, "num_paused_requests": 0,
-                    "message": f"restarted on the folder's weights, v{self.disk_version}",
+                    "message": f"restarted on the folder of v{self.disk_version}",
                     "update_s": time.perf_counter() - started}
         body = self._update_answer(response, path, version)
         body["update_s"] = time.perf_counter() - started

@@ -182,6 +182,30 @@ def test_killed_server_restarts_at_once_on_the_latest_weights(
     assert torch.allclose(served, expected, atol=1e-3)
 
 
+def test_a_restart_behind_the_served_version_without_a_weights_source_is_counted(
+        tiny_engine, supervised, tiny_model_path, tmp_path, caplog):
+    """Tensor updates leave the served version only in memory. With no learner to write a
+    folder of it (`set_weights_source` never called), the restart serves the last folder:
+    counted in `behind_restarts`, logged, and the server says its older version."""
+    supervised(unresponsive_s=600.0)
+    disk_path, disk_version = tiny_engine.weights_path, tiny_engine.disk_version
+    served = max(tiny_engine.weight_version, disk_version) + 1
+    new_path = save_perturbed_copy(disk_path, tiny_model_path, tmp_path / "t", seed=3)
+    model = LlamaForCausalLM.from_pretrained(new_path, dtype=torch.float32)
+    assert tiny_engine.update_weights_from_tensor(list(model.state_dict().items()),
+                                                  served)["success"]
+    behind = tiny_engine.behind_restarts
+    os.killpg(tiny_engine.pid, signal.SIGKILL)
+    with caplog.at_level(logging.ERROR, logger="actors.engines.sglang"):
+        tiny_engine.ensure_alive()
+    assert tiny_engine.behind_restarts == behind + 1
+    assert tiny_engine.stats()["behind_restarts"] == behind + 1
+    assert f"served v{served} from memory, but restarts on the folder of v{disk_version}" \
+        in caplog.text
+    assert tiny_engine.weight_version == disk_version
+    assert generate_once(tiny_engine.url)["meta_info"]["weight_version"] == str(disk_version)
+
+
 def test_probe_during_a_weight_update_returns_at_once(tiny_engine, supervised):
     supervised()
     pgid, restarts = tiny_engine.pid, tiny_engine.restarts

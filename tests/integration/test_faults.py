@@ -141,11 +141,15 @@ def test_killed_rollout_actor_is_replaced_and_rows_stay_accounted(tmp_path):
 def test_killed_sglang_server_is_restarted_and_the_run_goes_on(tmp_path):
     """kill -9 of the SGLang server's process group mid-run: supervision restarts it on the
     latest weights, rounds whose requests failed past the client's retries are counted
-    `episode_error` (the only rows lost), and no row is trained twice or without a reply."""
+    `episode_error` (the only rows lost), and no row is trained twice or without a reply.
+
+    Weights go as tensors, so the newest folder is the base (v0) when the server dies: the
+    restart must ask the learner for a folder of the version it served (CI once saw a
+    restart on an old folder drop 8 rows as stale)."""
     judge = LoopbackJudge(delay_s=0.05)
     cfg = load_config(ROOT / "configs" / "arith_duo_tiny.yaml",
                       [f"run.runs_dir={tmp_path}", "run.run_id=engine-kill", "run.max_steps=8",
-                       *http_coach(judge)])
+                       "models.policy.learner.weight_sync=tensor", *http_coach(judge)])
     run = Run(cfg)
     try:
         run.start()
@@ -162,6 +166,7 @@ def test_killed_sglang_server_is_restarted_and_the_run_goes_on(tmp_path):
             "restarts"] > before["restarts"] and s["pid"] != before["pid"] and
             ray.get(engine.is_alive.remote()), killed_at + 300, 0.5)
         restarted_s = time.time() - killed_at
+        after = ray.get(engine.stats.remote())
         episodes = played(run)
         wait_for("an episode on the restarted server", lambda: played(run) > episodes,
                  killed_at + 300, 0.2)
@@ -172,6 +177,11 @@ def test_killed_sglang_server_is_restarted_and_the_run_goes_on(tmp_path):
         run.shutdown()
         judge.close()
     assert summary["engine_restarts"] == 1
+    # it came back on the version it served (or newer), from a folder its learner wrote then
+    assert after["weight_version"] >= version_at_kill >= 2, after
+    assert (after["restart_folders"], after["behind_restarts"]) == (1, 0), after
+    assert summary["learners"]["policy"]["restart_folders"] == 1
+    assert summary["learners"]["policy"]["tensor_syncs"] == 8  # no step wrote a folder
     assert summary["engines"]["policy-0"]["weight_version"] == 8  # the restarted one took updates
     assert summary["learners"]["policy"]["version"] == 8
     rows = summary["rows"]
