@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 
-import ray
+from runtime.supervise import SETUP_TIMEOUT_S, get_within
 
 log = logging.getLogger("troupe")
 
 
 def close_books(clock, buffers: dict, readiness: dict[str, str], owner: str | None,
-                reason: str) -> dict[str, int]:
+                reason: str, timeout_s: float = SETUP_TIMEOUT_S) -> dict[str, int]:
     """Settle the open rounds of a dead owner (every owner when None) with the ledger.
 
     Rounds that made no rows yet give their units back at the clock. Rounds whose rows the
@@ -25,26 +25,34 @@ def close_books(clock, buffers: dict, readiness: dict[str, str], owner: str | No
     return their units through the buffer (`take_dropped_units`). Units of a model none of
     whose rows arrived are given back here. So no unit is released twice, and none leaks.
 
+    Every call waits at most `timeout_s` (a buffer Ray is restarting first recovers its
+    log), then raises `ActorHung` naming the actor and the call.
+
     Returns the units given back for rounds that made no rows (model_id -> units).
     """
-    freed, rounds = ray.get(clock.take_owner.remote(owner))
+    def get(refs, what: str):
+        return get_within(refs, timeout_s, f"{what} (settling {owner or 'every owner'})")
+
+    freed, rounds = get(clock.take_owner.remote(owner), "the clock's take_owner")
     for round_id, entry in rounds.items():
         lost, release = 0, {}
         for model_id, units in entry.units.items():
             episodes = {e: rows[model_id] for e, rows in entry.episodes.items()
                         if rows.get(model_id)}
-            received = ray.get(buffers[model_id].received_rows.remote(list(episodes)))
+            received = get(buffers[model_id].received_rows.remote(list(episodes)),
+                           f"buffer {model_id}'s received_rows")
             lost += sum(n - received[e] for e, n in episodes.items())
             arrived = [e for e in episodes if received[e]]
-            ray.get([buffers[model_id].drop_episode.remote(e, reason) for e in arrived])
+            get([buffers[model_id].drop_episode.remote(e, reason) for e in arrived],
+                f"buffer {model_id}'s drop_episode")
             if readiness[model_id] == "episode":
                 release[model_id] = units - len(arrived)  # one unit per episode that never came
             elif not arrived:
                 release[model_id] = units  # no group of this round was ever created
-        ray.get(clock.count_lost.remote(lost, reason))
+        get(clock.count_lost.remote(lost, reason), "the clock's count_lost")
         for model_id, units in release.items():
             if units > 0:
-                ray.get(clock.release.remote(model_id, units))
+                get(clock.release.remote(model_id, units), "the clock's release")
         log.warning("round %s of %s settled (%s): %d of %d rows never reached a buffer",
                     round_id, entry.owner, reason, lost, entry.rows)
     return freed

@@ -33,7 +33,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("troupe")
 
 STEP_EVENTS_EVERY_S = 1.0  # how often learners are asked for new steps
-CALL_TIMEOUT_S = 60.0  # a control call to the clock that takes longer fails the command
+CALL_TIMEOUT_S = 60.0  # a control call to an actor that takes longer fails the command
+
+
+def _command_call(refs, what: str):
+    """`ray.get` of a command's call within CALL_TIMEOUT_S; a slow actor fails the command
+    (its sender is told why) instead of holding the driver's loop."""
+    try:
+        return ray.get(refs, timeout=CALL_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"{what} did not answer within {CALL_TIMEOUT_S:.0f} s (alive, but "
+                           "slow): the command may still take effect when it does; send it "
+                           "again to be sure") from None
 
 
 class RunControl:
@@ -80,20 +91,19 @@ class RunControl:
             if command.model not in run.cfg.models:
                 raise ValueError(f"model {command.model!r} is not trained by this run; its "
                                  f"models: {sorted(run.cfg.models)}")
-            before = ray.get(run.clock.max_staleness.remote(command.model),
-                             timeout=CALL_TIMEOUT_S)
+            before = _command_call(run.clock.max_staleness.remote(command.model),
+                                   "the clock (max_staleness)")
             if command.mode == "auto":
                 if before > command.max_staleness:  # the new cap binds at once
-                    ray.get(run.clock.set_max_staleness.remote(command.model,
-                                                               command.max_staleness),
-                            timeout=CALL_TIMEOUT_S)
+                    _command_call(run.clock.set_max_staleness.remote(
+                        command.model, command.max_staleness), "the clock (set_max_staleness)")
                 self.pilot.enable(command.model, cap=command.max_staleness)
                 log.info("control: max_staleness of %s is auto again (cap %d, now %d)",
                          command.model, command.max_staleness,
                          min(before, command.max_staleness))
                 return
-            ray.get(run.clock.set_max_staleness.remote(command.model, command.max_staleness),
-                    timeout=CALL_TIMEOUT_S)
+            _command_call(run.clock.set_max_staleness.remote(
+                command.model, command.max_staleness), "the clock (set_max_staleness)")
             overridden = " (auto off until set-staleness auto)" if self.pilot.is_auto(
                 command.model) else ""
             self.pilot.disable(command.model)
@@ -106,22 +116,23 @@ class RunControl:
                                  "of this run (set it higher when starting a run)")
             self.scale_to(command.actors)
         elif isinstance(command, Pause):
-            ray.get(run.clock.pause.remote())
+            _command_call(run.clock.pause.remote(), "the clock (pause)")
             self.paused = True
             log.info("control: paused (no new rounds; rounds in flight finish)")
         elif isinstance(command, Resume):
-            ray.get(run.clock.resume.remote())
+            _command_call(run.clock.resume.remote(), "the clock (resume)")
             self.paused = False
             log.info("control: resumed")
         elif isinstance(command, Checkpoint):
-            ray.get([w.request_checkpoint.remote() for w in run.learners.values()])
+            _command_call([w.request_checkpoint.remote() for w in run.learners.values()],
+                          f"learners {sorted(run.learners)} (request_checkpoint)")
             log.info("control: checkpoint requested from every learner")
         elif isinstance(command, Stop):
             self.stop_reason = command.reason or "stop requested on the control bus"
             log.info("control: stop requested (%s)", self.stop_reason)
         elif isinstance(command, CoachControl):
             method = run.coach.pause if command.action == "pause" else run.coach.resume
-            ray.get(method.remote())
+            _command_call(method.remote(), f"the coach pool ({command.action})")
             self.coach_paused = command.action == "pause"
             log.info("control: coach %sd", command.action)
         else:  # parse_control only builds the types above

@@ -122,9 +122,8 @@ def resend_coach_requests(run_dir: str | Path, coach, pending: set[str], resend:
     """Send the coach again the journaled requests of the rows `pending` a score (their
     scores died with a process); returns how many were sent. `resend`: the pool has seen
     these step_ids before (a restarted buffer or learner in a live run)."""
-    import ray
-
     from actors.coach.pool import journaled_requests
+    from runtime.supervise import SETUP_TIMEOUT_S, get_within
 
     journal = Path(run_dir) / "coach_requests.jsonl"
     if not pending or not journal.is_file():
@@ -134,7 +133,8 @@ def resend_coach_requests(run_dir: str | Path, coach, pending: set[str], resend:
         log.warning("%d pending rows have no journaled coach request; they time out "
                     "(counted) in their buffer", len(pending) - len(requests))
     if requests:
-        ray.get(coach.submit.remote(requests, resend))
+        get_within(coach.submit.remote(requests, resend), SETUP_TIMEOUT_S,
+                   f"the coach pool (resending {len(requests)} requests)")
     return len(requests)
 
 
@@ -143,27 +143,33 @@ def restore_parts(run, plan: ResumePlan) -> None:
     the learners (engines get the checkpoint's weights). `run` is the `Run` being started."""
     import time
 
-    import ray
+    from runtime.supervise import SETUP_TIMEOUT_S, get_within
+
+    def get(refs, what: str):  # one-time calls that may load: long, but bounded
+        return get_within(refs, SETUP_TIMEOUT_S, f"{what} (resume)")
 
     started = time.perf_counter()
     cfg = run.cfg
     models = list(cfg.models)
-    stats = dict(zip(models, ray.get([run.buffers[m].stats.remote() for m in models])))
-    held = dict(zip(models, ray.get([run.buffers[m].held_units.remote() for m in models])))
-    for model_id, report in zip(models, ray.get([run.buffers[m].recovery.remote()
-                                                 for m in models])):
+    stats = dict(zip(models, get([run.buffers[m].stats.remote() for m in models],
+                                 "buffers' stats")))
+    held = dict(zip(models, get([run.buffers[m].held_units.remote() for m in models],
+                                "buffers' held_units")))
+    for model_id, report in zip(models, get([run.buffers[m].recovery.remote()
+                                             for m in models], "buffers' recovery")):
         plan.recovered[model_id] = report or {}
     issued = {m: plan.versions[m] * cfg.models[m].learner.batch_units + held[m] for m in models}
-    ray.get(run.clock.restore.remote(
+    get(run.clock.restore.remote(
         plan.versions, restored_etas(cfg, plan), issued,
         restored_ledger(plan, {m: s.rows_added for m, s in stats.items()}),
-        restored_task_cursor(plan)))
+        restored_task_cursor(plan)), "the clock's restore")
     pending = set()
     for model_id in models:
-        pending.update(ray.get(run.buffers[model_id].pending_step_ids.remote()))
+        pending.update(get(run.buffers[model_id].pending_step_ids.remote(),
+                           f"buffer {model_id}'s pending_step_ids"))
     plan.coach_resent = resend_coach_requests(plan.run_dir, run.coach, pending, resend=False)
-    ray.get([run.learners[m].restore.remote(path) for m, path in plan.checkpoints.items()
-             if path is not None])
+    get([run.learners[m].restore.remote(path) for m, path in plan.checkpoints.items()
+         if path is not None], "learners' restore")
     plan.seconds = time.perf_counter() - started
     log.info("resume: learners at %s, buffers %s, %d coach requests re-sent, %.1f s",
              plan.versions, {m: {k: r.get(k) for k in ("rows_pending", "rows_ready",

@@ -69,6 +69,13 @@ class Part:
     def ensure_alive(self) -> dict:
         return self._reply()
 
+    def request_checkpoint(self) -> dict:  # as a learner
+        return self._reply()
+
+    def take_owner(self, owner) -> tuple[dict, dict]:  # as the clock: nothing to settle
+        self._reply()
+        return {}, {}
+
     def stop(self) -> None:
         pass
 
@@ -169,5 +176,49 @@ def test_a_slow_actor_is_counted_and_skipped_a_dead_one_is_handled_a_hung_one_st
               f"actor delay {SLOW_S} s), {slow_rounds} slow rounds then answered, restarts "
               f"{run.restarts}; killed buffer restarted and seen; hung after "
               f"{time.monotonic() - hung_at:.1f} s; summary {summary}")
+    finally:
+        run.shutdown()
+
+
+def test_a_slow_actor_fails_an_operator_command_and_a_hung_one_stops_settling(
+        tmp_path, ray_local, monkeypatch):
+    """The driver's other waits (runtime/control.py, runtime/accounting.py) are bounded too:
+    a learner slower than the command limit fails `checkpoint` with the reason (the run goes
+    on), and a clock that never answers while a dead actor's rounds are settled stops the
+    run naming the call."""
+    import runtime.control
+    from runtime.accounting import close_books
+    from runtime.bus import Checkpoint
+
+    cfg = load_config(ROOT / "configs" / "arith_duo_tiny.yaml",
+                      [f"run.runs_dir={tmp_path}", "run.run_id=slow-commands"])
+    run = Run(cfg)
+    try:
+        wire(run)
+        learner = run.learners["policy"]
+        monkeypatch.setattr(runtime.control, "CALL_TIMEOUT_S", CALL_TIMEOUT_S)
+        ray.get(learner.set_delay.remote(SLOW_S), timeout=30)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"learners \['policy'\] \(request_checkpoint\) "
+                           r"did not answer within 1 s"):
+            run.control.apply(Checkpoint(run_id=run.run_id))
+        took = time.monotonic() - started
+        assert took < SLOW_S - 1.0, f"the command waited {took:.1f} s for the slow learner"
+        ray.get(learner.set_delay.remote(0.0), timeout=30)
+        run.control.apply(Checkpoint(run_id=run.run_id))  # answered in time: applied
+        assert ray.get(learner.sent.remote(), timeout=30) == 2
+
+        clock = part({})
+        ray.get(clock.set_delay.remote(600.0), timeout=30)
+        started = time.monotonic()
+        with pytest.raises(ActorHung, match=r"the clock's take_owner \(settling rollout-9\) "
+                           r"did not answer within 2 s"):
+            close_books(clock, run.buffers, {"policy": "episode"}, "rollout-9", "actor_crashed",
+                        timeout_s=2.0)
+        hung_s = time.monotonic() - started
+        assert 2.0 <= hung_s < 10.0
+        print(f"slow learner: checkpoint command failed after {took:.2f} s (limit "
+              f"{CALL_TIMEOUT_S} s, learner {SLOW_S} s); hung clock: settling stopped after "
+              f"{hung_s:.1f} s")
     finally:
         run.shutdown()

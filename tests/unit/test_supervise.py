@@ -1,4 +1,5 @@
 """The driver's slow-versus-dead rule (runtime/supervise.py) and its config fields."""
+import ast
 import logging
 from pathlib import Path
 
@@ -102,3 +103,29 @@ def test_the_timeouts_are_run_fields_with_defaults_and_overrides():
     assert (cfg.run.call_timeout_s, cfg.run.unanswered_timeout_s) == (10.0, 300.0)
     with pytest.raises(ConfigError, match="run.unanswered_timeout_s=5.0: must exceed"):
         load_config(ROOT / "configs" / "arith_duo_tiny.yaml", ["run.unanswered_timeout_s=5"])
+
+
+# The driver's modules: everything `Run` (runtime/controller.py) calls on its own thread.
+DRIVER_MODULES = ["runtime/controller.py", "runtime/control.py", "runtime/accounting.py",
+                  "runtime/resume.py", "runtime/supervise.py", "runtime/stall.py",
+                  "runtime/staleness.py", "runtime/bus_service.py", "scripts/launch_async.py"]
+
+
+def untimed_ray_waits(source: str) -> list[int]:
+    """Lines of `ray.get(...)` / `ray.wait(...)` calls in `source` without a `timeout=`."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("get", "wait") and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "ray"
+                and not any(k.arg == "timeout" for k in node.keywords)):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_driver_never_waits_on_an_actor_without_a_timeout():
+    """Part 2 of the supervision rule: no blocking `ray.get` without a limit in the driver
+    (one-time calls go through `get_within`, polls through `Poller`)."""
+    assert untimed_ray_waits("import ray\nray.get(ref)\nray.get(ref, timeout=1)\n") == [2]
+    found = {path: untimed_ray_waits((ROOT / path).read_text()) for path in DRIVER_MODULES}
+    assert {p: lines for p, lines in found.items() if lines} == {}
