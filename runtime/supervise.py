@@ -55,8 +55,11 @@ class ActorHung(RuntimeError):
 
 
 def engine_restart_s(cfg: EngineConfig) -> float:
-    """The longest a server (re)start inside `SGLangEngine.start` / `ensure_alive` may take."""
-    return cfg.startup_timeout_s * ENGINE_LAUNCHES + ENGINE_MARGIN_S
+    """The longest a server (re)start inside `SGLangEngine.start` / `ensure_alive` may take:
+    its launches, and a restart's wait for its learner to write the served version's folder
+    (at most `weight_update_timeout_s`)."""
+    return (cfg.startup_timeout_s * ENGINE_LAUNCHES + cfg.weight_update_timeout_s
+            + ENGINE_MARGIN_S)
 
 
 def get_within(refs, timeout_s: float, what: str):
