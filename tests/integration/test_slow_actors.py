@@ -33,7 +33,8 @@ UNANSWERED_S = 10.0
 SLOW_S = 5.0  # the slow rollout actor's delay: past one call timeout, within the limit
 # Ray's workers cannot import a test module: ship `Part` by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-ENGINE_STATS = {"restarts": 0, "busy_probes": 0, "port_moves": 0, "last_progress_age_s": 0.0}
+ENGINE_STATS = {"restarts": 0, "behind_restarts": 0, "busy_probes": 0, "port_moves": 0,
+                "last_progress_age_s": 0.0}
 
 
 class Part:
