@@ -209,12 +209,12 @@ class SGLangEngine:
         self.startup_seconds: float | None = None  # duration of the last successful start
         self.port_moves = 0  # starts that found their port taken and moved to another
         self.updates = 0  # weight updates answered by the server (restarts not counted)
+        self.update_seconds = 0.0  # their total time, pause and continue included
         # restarts that asked the weights source for a folder of the served version, and
         # those that got none and came back on older weights (a logged error each)
         self.restart_folders = 0
         self.behind_restarts = 0
         self._weights_source = None  # the learner actor of this model (set_weights_source)
-        self.update_seconds = 0.0  # their total time, pause and continue included
         self._port: int | None = None
         self._proc: subprocess.Popen | None = None
         self._finalizer: weakref.finalize | None = None
