@@ -86,6 +86,10 @@ class LearnerConfig:
     staleness_cap: int = 8  # auto: the largest η it may choose (the hard bound on staleness)
     staleness_target_wait: float = 0.1  # auto: the learner's waiting share to stay under
     staleness_window_steps: int = 2  # auto: learner steps per measurement window
+    # auto: η before anything is measured: "cap" (default), or an integer ≤ staleness_cap.
+    # At the cap the first units already fill the pipeline; the pilot then lowers η to what
+    # the measured rates need (runtime/staleness.py)
+    staleness_start: int | str = "cap"
     # How new weights reach this model's engines after a step: "disk" (a safetensors folder
     # the engines load), "tensor" (shared memory; engines on the learner's host only), or
     # "auto": disk unless every engine is on the learner's host; then the first 4 steps try
@@ -184,6 +188,10 @@ class LearnerConfig:
                self.staleness_target_wait, "use a share of the learner's time in [0, 1)")
         _check(self.staleness_window_steps >= 1, "staleness_window_steps",
                self.staleness_window_steps, "use an integer ≥ 1")
+        _check(self.staleness_start == "cap" or (
+            isinstance(self.staleness_start, int) and 0 <= self.staleness_start
+            <= self.staleness_cap), "staleness_start", self.staleness_start,
+            f"use 'cap' or an integer in [0, staleness_cap={self.staleness_cap}]")
         _check(self.weight_sync in WEIGHT_SYNCS, "weight_sync", self.weight_sync,
                f"use one of {WEIGHT_SYNCS}")
         _check(self.weights_to_disk_every >= 1, "weights_to_disk_every",
@@ -196,9 +204,11 @@ class LearnerConfig:
 
     @property
     def initial_staleness(self) -> int:
-        """η at the start of a run: the fixed value, or for "auto" 1 (at most the cap) until
-        the first measured window says otherwise."""
-        return min(1, self.staleness_cap) if self.auto_staleness else int(self.max_staleness)
+        """η at the start of a run: the fixed value, or for "auto" `staleness_start` (the cap
+        by default) until measured windows say otherwise."""
+        if not self.auto_staleness:
+            return int(self.max_staleness)
+        return self.staleness_cap if self.staleness_start == "cap" else int(self.staleness_start)
 
     @property
     def readiness_unit(self) -> str:

@@ -186,7 +186,8 @@ class RunControl:
                     self.bus.publish("step", step)
                 self._versions[model_id] = max(self._versions[model_id], step["version"])
                 changed = True
-                decision = self.pilot.observe(model_id, step, round_s) if feed else None
+                decision = (self.pilot.observe(model_id, step, round_s, now=time.time())
+                            if feed else None)
                 if decision is not None:
                     self._apply_auto(model_id, step["version"], decision)
         if changed and self.bus is not None:

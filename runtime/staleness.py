@@ -165,8 +165,11 @@ class StalenessPilot:
     A window is `staleness_window_steps` consecutive steps taken under one η. The first step
     of a run (engines warming, the first round's full latency) starts none; after a change,
     neither do the steps sampled before the clock had it (the driver reads steps about once a
-    second, and a small model steps faster) nor the first step under it (its units were
-    admitted under the old η). A unit's latency W is the
+    second, and a small model steps faster), nor the first step under it, nor any step that
+    began waiting less than W after the change: until then the learner still eats units admitted
+    under the old η (a raise shows its effect only once its first units are READY, a unit's
+    latency later), and a window measured in that fill would see the old η's wait and raise
+    again for nothing. A unit's latency W is the
     clock's mean round time from admission to generated (buffers/clock.py `round_seconds`)
     plus the mean wait of the window's units from their last row to READY (the coach): an
     upper bound, since a unit's rows may be generated before its round ends.
@@ -186,6 +189,7 @@ class StalenessPilot:
         self._window: dict[str, list[dict]] = {}
         self._skip_next: set[str] = set()
         self._expect: dict[str, int] = {}  # model -> the η a decision set, until a step shows it
+        self._settle: dict[str, float] = {}  # model -> time before which steps start no window
         # every window measured: model, version, the RateSample's fields, the η chosen (or
         # None: kept) -- the run summary keeps them, and unit tests replay recorded ones
         self.windows: list[dict] = []
@@ -202,6 +206,7 @@ class StalenessPilot:
                                                     floor=0, coach_rows=share)
         self._window[model_id] = []
         self._expect.pop(model_id, None)
+        self._settle.pop(model_id, None)
         self._skip_next.add(model_id)
 
     def disable(self, model_id: str) -> None:
@@ -209,16 +214,20 @@ class StalenessPilot:
         self.controllers.pop(model_id, None)
         self._window.pop(model_id, None)
         self._expect.pop(model_id, None)
+        self._settle.pop(model_id, None)
         self._skip_next.discard(model_id)
 
     def is_auto(self, model_id: str) -> bool:
         return model_id in self.controllers
 
-    def observe(self, model_id: str, step: dict, round_s: float | None) -> Decision | None:
+    def observe(self, model_id: str, step: dict, round_s: float | None,
+                now: float | None = None) -> Decision | None:
         """Take one learner step record; at the end of a window, the η to set (or None).
 
-        `step` holds `version`, `max_staleness` (η it sampled under), `step_s`, `wait_s` and
-        `ready_wait_s`; `round_s` is the clock's mean round time for the model.
+        `step` holds `version`, `max_staleness` (η it sampled under), `step_s`, `wait_s`,
+        `ready_wait_s` and `at` (when it ended, epoch seconds); `round_s` is the clock's mean
+        round time for the model; `now` is when a decision reaches the clock (default: the
+        step's end), from which the next W seconds start no window.
         """
         controller = self.controllers.get(model_id)
         if controller is None:
@@ -233,6 +242,15 @@ class StalenessPilot:
             self._skip_next.discard(model_id)
             window.clear()
             return None
+        settle = self._settle.get(model_id)
+        if settle is not None:
+            # a step began waiting at its end less its step and wait; before `settle` its
+            # batch still held units admitted under the old η
+            began = step.get("at", math.inf) - step["step_s"] - step["wait_s"]
+            if began < settle:
+                window.clear()
+                return None
+            del self._settle[model_id]
         if window and window[-1]["max_staleness"] != step["max_staleness"]:
             window.clear()  # η changed by someone else (a restart, a restore)
         window.append(step)
@@ -255,6 +273,8 @@ class StalenessPilot:
             # units were admitted under the old η), start no window
             self._expect[model_id] = decision.eta
             self._skip_next.add(model_id)
+            applied = max(float(step.get("at", 0.0)), now or 0.0)
+            self._settle[model_id] = applied + sample.unit_latency_s
         return decision
 
 

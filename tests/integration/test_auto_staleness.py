@@ -1,7 +1,7 @@
 """`max_staleness: auto` in a live run (runtime/staleness.py): real Ray, SGLang and broker.
 
 arith_duo on the tiny model with a slow coach (the RuleCoach's injected latency, 4 s a
-score), η starting at 1 under `auto`. What is checked comes from the test's own subscriber
+score), η starting at 1 under `auto` (`staleness_start: 1`; the default start is the cap). What is checked comes from the test's own subscriber
 (every `events/staleness` and `events/step`) and the clock, not from the pilot's counters:
 - the pilot raises η above 1, says why on the bus, and the clock admits under it;
 - the learner's later steps sample under the raised η;
@@ -27,7 +27,8 @@ LIMIT_S = 300.0  # a loaded 2-core machine; a pilot that never acts does not get
 def test_auto_staleness_raises_eta_under_a_slow_coach_and_yields_to_the_operator(tmp_path):
     with operated_run("auto", tmp_path, "coach.latency_s=4.0",
                       "models.policy.learner.max_staleness=auto",
-                      "models.policy.learner.staleness_cap=4") as operated:
+                      "models.policy.learner.staleness_cap=4",
+                      "models.policy.learner.staleness_start=1") as operated:
         run, collector = operated.run, operated.collector
         learner = run.learners["policy"]
 

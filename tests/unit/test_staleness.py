@@ -159,8 +159,14 @@ def test_a_window_spans_only_steps_under_one_eta():
 
 
 def test_auto_in_the_learner_config():
-    assert learner().auto_staleness and learner().initial_staleness == 1
+    assert learner().auto_staleness and learner().initial_staleness == 8  # starts at the cap
     assert learner(staleness_cap=0).initial_staleness == 0
+    assert learner(staleness_start=1).initial_staleness == 1
+    assert learner(staleness_start=0, staleness_cap=0).initial_staleness == 0
+    with pytest.raises(ValueError, match=r"staleness_start=9 is invalid.*staleness_cap=8"):
+        learner(staleness_start=9)
+    with pytest.raises(ValueError, match=r"staleness_start='max' is invalid: use 'cap'"):
+        learner(staleness_start="max")
     fixed = LearnerConfig(max_staleness=4)
     assert not fixed.auto_staleness and fixed.initial_staleness == 4
     for bad, field in (("Auto", "max_staleness"), (-1, "max_staleness")):
@@ -292,3 +298,58 @@ def test_coach_capacity_from_the_run_config():
         "coach.kind=http", "coach.endpoints=[{base_url: 'http://127.0.0.1:9/v1', model: j, "
         "max_concurrency: 12}]"])
     assert coach_capacity(judge) == 12  # every row asks every judge
+
+
+# ---------------------------------------------------------------- the pipeline's fill
+def pipeline(pilot: StalenessPilot, eta: int, latency: float, step_s: float, steps: int,
+             round_s: float = 1.0, stamp: bool = True) -> tuple[list[int], float]:
+    """A learner fed through a pipeline that takes `latency` (W) seconds: units admitted at
+    time t arrive at t + W, so a step's wait depends on the η in force W seconds before it,
+    not on the η at its sampling. Each step's record goes to the pilot (stamped with its end
+    time unless `stamp` is False, as older records were) and a decision takes effect at once.
+    Returns the η the clock had at each step's sampling, and the learner's waiting share
+    over the steps after the first (the first waits W for the first units in any case)."""
+    changes = [(-math.inf, eta)]  # (time the clock got it, η)
+    t, waited, busy, etas = 0.0, 0.0, 0.0, []
+    for version in range(1, steps + 1):
+        feeding = [e for at, e in changes if at <= t - latency][-1]  # what arrives now
+        arrival = (feeding + 1) * B / latency  # units a second (Little's law)
+        wait = latency if version == 1 else max(0.0, B / arrival - step_s)
+        t += wait + step_s
+        if version > 1:
+            waited, busy = waited + wait, busy + step_s
+        record = {"version": version, "max_staleness": changes[-1][1], "step_s": step_s,
+                  "wait_s": wait, "ready_wait_s": latency - round_s}
+        if stamp:
+            record["at"] = t
+        etas.append(changes[-1][1])
+        decision = pilot.observe("policy", record, round_s, now=t)
+        if decision is not None:
+            changes.append((t, decision.eta))
+    return etas, waited / (waited + busy)
+
+
+def test_no_window_is_measured_while_the_pipeline_fills_after_a_raise():
+    """W = 11 s (1 s round + 10 s coach), S = 3 s: η* = ⌈0.9 · 11 / 3⌉ − 1 = 3. From η 1 the
+    learner waits 45 %; the raise to 3 only shows 11 s later, when its first units are
+    READY. The windows of that fill still wait 45 % at "η 3"; measured, they mark 3 as too
+    low and raise to 4, which steady-state η 3 never needed (it waits 0 %)."""
+    etas, _ = pipeline(StalenessPilot({"policy": learner(staleness_start=1)}), 1, 11.0, 3.0, 30)
+    assert sorted(set(etas)) == [1, 3] and etas[-1] == 3
+    # the same run with unstamped records (no settle time known): the needless raise
+    unstamped, _ = pipeline(StalenessPilot({"policy": learner(staleness_start=1)}), 1, 11.0,
+                            3.0, 30, stamp=False)
+    assert unstamped[-1] == 4, unstamped
+
+
+def test_starting_at_the_cap_lowers_to_the_model_eta_and_waits_less_than_climbing():
+    """The same rates, started at the cap (8) as `auto` does by default: the first units
+    already fill the pipeline, so the learner never waits, and after 3 windows that want
+    less, η comes down to the model's 3. Started at 1 it climbs to 3 and waits meanwhile."""
+    pilot = StalenessPilot({"policy": learner()})
+    from_cap, wait_from_cap = pipeline(pilot, learner().initial_staleness, 11.0, 3.0, 30)
+    assert from_cap[0] == 8 and from_cap[-1] == 3 and sorted(set(from_cap)) == [3, 8]
+    assert [w["decision"] for w in pilot.windows if w["decision"] is not None] == [3]
+    _, wait_from_one = pipeline(StalenessPilot({"policy": learner(staleness_start=1)}), 1,
+                                11.0, 3.0, 30)
+    assert wait_from_cap == 0.0 and wait_from_one > 0.05, (wait_from_cap, wait_from_one)
