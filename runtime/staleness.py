@@ -18,8 +18,11 @@ whose wait share is above the target raises η by one over the model (up to the 
 raise still helped, and stops raising when the last raise did not lower the wait (more η
 cannot help a rollout-bound run; it would only add staleness). Lowering waits `patience`
 windows in a row that all want a smaller η, so one quick window does not undo a raise, and
-never goes back to an η whose window waited too long while W / S is still as high (within
-10 %): without that it would flap between the model's η and the one the wait asked for. A wait
+then goes to the largest η those windows asked for (one window of slow steps, a small W / S,
+does not set it alone). It never goes back to an η whose window waited too long at (or one
+above) the model's η while W / S is still as high (within 10 %): without that it would flap
+between the model's η and the one the wait asked for. A long wait far above the model's η
+marks nothing (a slow sampling call, the rollout side): it only resets the lowering count. A wait
 counts as above the target only past a tolerance (`tolerance`, one point of share by default):
 a measured share sitting on the target is noise.
 
@@ -90,7 +93,7 @@ class AutoStaleness:
         self.cap, self.floor = cap, floor
         self.coach_rows = coach_rows
         self.target_wait, self.patience, self.tolerance = target_wait, patience, tolerance
-        self._lower_votes = 0
+        self._lower_votes: list[int] = []  # the η each window in a row that wanted less asked for
         self._last_raise: tuple[int, float] | None = None  # (η before it, wait share then)
         self._too_low: tuple[int, float] | None = None  # (an η that waited too long, W / S)
 
@@ -112,7 +115,7 @@ class AutoStaleness:
         current, wait = sample.eta, sample.wait_share
         ceiling = self.coach_ceiling(sample)
         if ceiling is not None and current > ceiling:
-            self._lower_votes, self._last_raise = 0, None
+            self._lower_votes, self._last_raise = [], None
             return Decision(ceiling, (
                 f"lower {current} -> {ceiling} (the coach ceiling): the coach scores "
                 f"{self.coach_rows} rows at once and a step trains {sample.rows_per_step:.0f}; "
@@ -125,7 +128,11 @@ class AutoStaleness:
                  f"{sample.step_s:.2f} s needs η {want} for wait <= {self.target_wait:.0%}; "
                  f"measured wait {wait:.0%} at η {current}")
         waits_too_long = wait > self.target_wait + self.tolerance
-        if waits_too_long and (self._too_low is None or self._too_low[0] < current):
+        if waits_too_long and current <= want + 1 and (
+                self._too_low is None or self._too_low[0] < current):
+            # waited too long at (or one above) the model's η: the model misses something,
+            # and going back to this η would flap. Far above the model's η, a long wait is
+            # not η's doing (a slow sample, the rollout side) and marks nothing.
             self._too_low = (current, ratio)
         if waits_too_long and want <= current:
             if self._last_raise is not None and self._last_raise[0] < current \
@@ -142,19 +149,22 @@ class AutoStaleness:
                       f"at once, {sample.rows_per_step:.0f} a step)")
         want = min(max(want, self.floor), self.cap)
         if want > current:
-            self._lower_votes = 0
+            self._lower_votes = []
             self._last_raise = (current, wait)
             capped = " (the cap)" if want == self.cap else ""
             return Decision(want, f"raise {current} -> {want}{capped}: {basis}")
         if want < current and not waits_too_long:
-            self._lower_votes += 1
-            if self._lower_votes >= self.patience:
-                self._lower_votes = 0
+            self._lower_votes.append(want)
+            if len(self._lower_votes) >= self.patience:
+                # the largest η the windows asked for: one window's slow steps (a small S)
+                # would otherwise set η for all of them
+                votes = ", ".join(map(str, self._lower_votes))
+                want, self._lower_votes = max(self._lower_votes), []
                 self._last_raise = None
                 return Decision(want, f"lower {current} -> {want} after {self.patience} "
-                                      f"windows: {basis}")
+                                      f"windows asked for {votes} (the largest kept): {basis}")
             return None
-        self._lower_votes = 0
+        self._lower_votes = []
         return None
 
 

@@ -15,7 +15,8 @@ fresh run (engines, learner, buffers) whose overrides are printed in the closing
 - with `--staleness auto`, an `auto` cell at each latency: `max_staleness: auto` (η chosen
   from measured rates, runtime/staleness.py, up to `--cap`), coach off the path.
 Every cell also prints the mean staleness of the rows it trained (versions behind).
-Engines and learners run with `dtype: auto` (runtime/dtype.py), printed with its reason.
+Engines and learners run with `dtype: auto` (runtime/dtype.py), printed with its reason;
+weights go to the engine through a folder (`weight_sync: disk`) in every cell.
 Each cell prints rewarded rows trained per second and the learner busy fraction after one
 warm-up step (the first waits for engines, compilation and the first coach round trip).
 `--coach rule` uses the RuleCoach's injected latency instead of HTTP.
@@ -58,6 +59,10 @@ BASE = [
     "models.policy.engine.dtype=auto", "models.policy.learner.dtype=auto",
     "models.policy.learner.lr=1e-4", "models.policy.learner.batch_units=4",
     "rollout.concurrency=4", "run.name=bench-async", "run.keep_weights=2",
+    # every cell publishes the same way: `weight_sync: auto` tried tensors on 2 of the first
+    # 4 steps and kept the folder in every cell (0.05-0.09 s a load against 0.6-1.5 s on the
+    # tiny model in a busy server), but a trial step's 1-3 s then counted as busy time
+    "models.policy.learner.weight_sync=disk",
 ]
 
 

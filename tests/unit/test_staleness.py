@@ -353,3 +353,46 @@ def test_starting_at_the_cap_lowers_to_the_model_eta_and_waits_less_than_climbin
     _, wait_from_one = pipeline(StalenessPilot({"policy": learner(staleness_start=1)}), 1,
                                 11.0, 3.0, 30)
     assert wait_from_cap == 0.0 and wait_from_one > 0.05, (wait_from_cap, wait_from_one)
+
+
+# ---------------------------------------------------------------- started at the cap
+# Windows measured by `bench_async.py --staleness auto --latencies 0.5 3 10 --steps 20
+# --coach-concurrency 512 --cap 32` (auto started at the cap 32, 16 rows a step). The tiny
+# model's steps take 0.1-0.4 s, so one slow step moves W / S by 3x and a 20 ms sampling call
+# is a 15 % wait.
+CAP32 = json.loads((Path(__file__).parent / "data" /
+                    "auto_staleness_traces_cap32.json").read_text())
+
+
+def replay_cap32(latency: str) -> list[tuple[int, str]]:
+    auto = AutoStaleness(cap=32, target_wait=0.1, coach_rows=512)
+    eta, decisions = 32, []
+    for w in CAP32[latency]:
+        decision = auto.update(RateSample(w["step_s"], w["wait_s"], w["unit_latency_s"], eta,
+                                          rows_per_step=w["rows_per_step"]))
+        if decision is not None:
+            eta = decision.eta
+            decisions.append((eta, decision.reason))
+    return decisions
+
+
+def test_a_lowering_goes_to_the_largest_eta_its_windows_asked_for():
+    """At 3 s the three calm windows asked for 18, 15 and 8 (the last one's steps took
+    0.40 s against 0.13-0.21). Lowering to the last window's 8 (as it once did) would starve
+    the learner as soon as its steps are quick again; the largest, 18, does not."""
+    decisions = replay_cap32("3")
+    assert decisions[0][0] == 18
+    assert "windows asked for 18, 15, 8 (the largest kept)" in decisions[0][1], decisions[0][1]
+
+
+def test_one_long_wait_far_above_the_model_eta_does_not_pin_eta_at_the_cap():
+    """At 0.5 s the model asks for 4-9 at the start, yet one window waited 66 % (a slow
+    sampling call) at η 32. Marking 32 as too low held η at the cap for the whole run (mean
+    staleness 4.95); the wait far above the model's η now only restarts the lowering count."""
+    decisions = replay_cap32("0.5")
+    assert decisions and decisions[0][0] < 32 and decisions[0][1].startswith("lower 32 -> ")
+
+
+def test_a_coach_slower_than_the_cap_can_cover_keeps_the_cap():
+    """At 10 s the model asks for η ≈ 60-90 over the cap 32: nothing to lower."""
+    assert replay_cap32("10") == []
