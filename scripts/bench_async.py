@@ -1,7 +1,8 @@
 """Asynchronous vs synchronous throughput with a slow HTTP coach (DESIGN §12), and the mixed cells.
 
 The same arith_duo workload on the tiny model, scored by the HTTP coach (`coach.kind=http`)
-talking to a loopback OpenAI-compatible judge this script starts (actors/coach/loopback.py)
+talking to a loopback OpenAI-compatible judge this script starts in a process of its own
+(actors/coach/loopback.py)
 that answers `PROCESS_SCORE: N` after a server-side delay (the coach latency). Cells, each a
 fresh run (engines, learner, buffers) whose overrides are printed in the closing table:
 - async: η = 2 (models.policy.learner.max_staleness=2), coach off the path
@@ -39,14 +40,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-from actors.coach.loopback import LoopbackJudge  # noqa: E402
 from bench_env import dtype_header  # noqa: E402
 from runtime.config import TroupeConfig, load_config  # noqa: E402
 from runtime.controller import run  # noqa: E402
@@ -76,7 +78,38 @@ class Cell:
     latency_s: float  # the judge's server-side delay (or the RuleCoach's injected latency)
 
 
-def coach_overrides(coach: str, latency: float, judge: LoopbackJudge | None,
+class JudgeProcess:
+    """The loopback judge (actors/coach/loopback.py) in a process of its own, as a remote
+    judge would be: in the driver's process its event loop would share that process's
+    interpreter lock with the run's supervision loop. `set(delay_s=...)` starts it anew
+    with that server-side delay when the delay changes."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.delay_s: float | None = None
+        self.base_url = ""
+
+    def set(self, delay_s: float) -> None:
+        if self.proc is not None and self.delay_s == delay_s:
+            return
+        self.close()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "actors.coach.loopback", "--delay", str(delay_s)],
+            stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        line = self.proc.stdout.readline()  # "loopback judge at http://... (Ctrl-C stops it)"
+        if not line.startswith("loopback judge at "):
+            self.close()
+            raise RuntimeError(f"the loopback judge did not start: {line!r}")
+        self.base_url, self.delay_s = line.split()[3], delay_s
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+            self.proc = None
+
+
+def coach_overrides(coach: str, latency: float, judge: JudgeProcess | None,
                     concurrency: int) -> list[str]:
     """The coach at `latency`; at most `concurrency` scores in flight (pool and endpoint),
     so it scores at most concurrency / latency rows a second."""
@@ -91,7 +124,7 @@ def coach_overrides(coach: str, latency: float, judge: LoopbackJudge | None,
 
 
 def cell_config(cell: Cell, steps: int, runs_dir: str, coach: str,
-                judge: LoopbackJudge | None, cap: int, concurrency: int) -> TroupeConfig:
+                judge: JudgeProcess | None, cap: int, concurrency: int) -> TroupeConfig:
     overrides = BASE + coach_overrides(coach, cell.latency_s, judge, concurrency) + [
         f"run.max_steps={steps}", f"run.runs_dir={runs_dir}",
         f"models.policy.learner.max_staleness={cell.eta}",
@@ -160,7 +193,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     _, header = dtype_header("cpu")
     print(header, flush=True)
-    judge = LoopbackJudge() if args.coach == "http" else None
+    judge = JudgeProcess() if args.coach == "http" else None
     cells = plan(args.latencies, args.mixed_at, args.staleness == "auto")
     results, started = {}, time.perf_counter()
     try:
