@@ -1,8 +1,9 @@
 """`max_staleness: auto` in a live run (runtime/staleness.py): real Ray, SGLang and broker.
 
 arith_duo on the tiny model with a slow coach (the RuleCoach's injected latency, 4 s a
-score), η starting at 1 under `auto` (`staleness_start: 1`; the default start is the cap). What is checked comes from the test's own subscriber
-(every `events/staleness` and `events/step`) and the clock, not from the pilot's counters:
+score), η starting at 1 under `auto` (`staleness_start: 1`; the default start is the cap).
+What is checked comes from the test's own subscriber (every `events/staleness` and
+`events/step`) and the clock, not from the pilot's counters:
 - the pilot raises η above 1, says why on the bus, and the clock admits under it;
 - the learner's later steps sample under the raised η;
 - `ctl.py set-staleness policy 0` turns auto off: η stays 0 and no auto change comes for

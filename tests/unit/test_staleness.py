@@ -313,8 +313,7 @@ def pipeline(pilot: StalenessPilot, eta: int, latency: float, step_s: float, ste
     t, waited, busy, etas = 0.0, 0.0, 0.0, []
     for version in range(1, steps + 1):
         feeding = [e for at, e in changes if at <= t - latency][-1]  # what arrives now
-        arrival = (feeding + 1) * B / latency  # units a second (Little's law)
-        wait = latency if version == 1 else max(0.0, B / arrival - step_s)
+        wait = latency if version == 1 else window(feeding, latency, step_s).wait_s
         t += wait + step_s
         if version > 1:
             waited, busy = waited + wait, busy + step_s
